@@ -1,0 +1,45 @@
+"""Build and install staged-engine.
+
+The C++ sources in csrc/ compile into ``staged_engine._ngram`` with torch's cpp_extension and
+ninja. Install with ``pip install --no-build-isolation -e .`` so the extension builds against the
+torch that is already installed (a build-isolated install would fetch another torch).
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError as exc:  # pragma: no cover - only hit on a misconfigured install
+    raise SystemExit(
+        "staged-engine builds its C++ extension against an installed torch: run "
+        "`pip install -r requirements.txt` first, then `pip install --no-build-isolation -e .`"
+    ) from exc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sources = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
+
+ext_modules = []
+if sources:
+    ext_modules.append(
+        CppExtension(
+            name="staged_engine._ngram",
+            sources=sources,
+            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+        )
+    )
+
+setup(
+    name="staged-engine",
+    version="0.1.0",
+    description="Staged speculative decoding and DSBD for GPT-2-family models",
+    python_requires=">=3.10",
+    packages=find_packages(include=["staged_engine", "staged_engine.*", "kernels", "kernels.*"]),
+    package_data={"staged_engine": ["assets/demo/*/*", "assets/*.json"]},
+    include_package_data=True,
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    install_requires=["torch==2.13.0", "safetensors", "tokenizers"],
+    entry_points={"console_scripts": ["staged-engine=staged_engine.cli:main"]},
+)
