@@ -1,0 +1,140 @@
+"""The seam between the model and its kernels.
+
+The model calls a backend for the four operations that touch the KV cache or dominate small-
+batch cost; everything else is plain torch. ``TorchBackend`` is the reference and the CPU
+production path; ``TritonBackend`` runs the kernels in ``kernels/`` (CUDA, or CPU tensors
+under TRITON_INTERPRET=1 in tests).
+
+Shapes: B rows, N new tokens per row, H heads, D head dim, S cache slots, C = H * D.
+``append_qkv`` writes new token i of row b at slot write_starts[b] + i. ``attention`` takes
+the committed lengths ``starts`` and a visibility mask over the M >= N uncommitted entries
+[starts[b], starts[b] + M) (earlier passes' pending entries, then this pass's N): ``tree_mask``
+is bool (N, M) / (B, N, M), mask[i, j] true when entry j is an ancestor of (or is) new token
+i; None means all M entries form one chain ending in the new tokens (j <= M - N + i).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+
+class Backend:
+    name = "base"
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x (..., in) @ weight(out, in).T + bias -> (..., out)."""
+        return F.linear(x, weight, bias)
+
+    def append_qkv(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   starts: list[int], n_head: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  starts: list[int], n_uncommitted: int, tree_mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def commit(self, k: torch.Tensor, v: torch.Tensor, row: int, start: int, path: list[int]) -> None:
+        raise NotImplementedError
+
+
+def chain_mask(n: int, m: int, device) -> torch.Tensor:
+    """(N, M) bool: new token i sees uncommitted entries j <= M - N + i."""
+    return torch.ones(n, m, dtype=torch.bool, device=device).tril_(m - n)
+
+
+class TorchBackend(Backend):
+    """Plain PyTorch: indexing for the cache, SDPA with an explicit mask for attention."""
+
+    name = "torch"
+
+    def append_qkv(self, qkv, k_cache, v_cache, starts, n_head):
+        # qkv: (B, N, 3C) -> q, k, v each (B, H, N, D)
+        b, n, c3 = qkv.shape
+        d = c3 // (3 * n_head)
+        q, k, v = qkv.view(b, n, 3, n_head, d).permute(2, 0, 3, 1, 4).unbind(0)
+        if all(s == starts[0] for s in starts):
+            s = starts[0]
+            k_cache[:, :, s:s + n] = k
+            v_cache[:, :, s:s + n] = v
+        else:
+            for row, s in enumerate(starts):
+                k_cache[row, :, s:s + n] = k[row]
+                v_cache[row, :, s:s + n] = v[row]
+        return q
+
+    def attention(self, q, k_cache, v_cache, starts, n_uncommitted, tree_mask, scale):
+        # q: (B, H, N, D); k_cache/v_cache: (B, H, S, D)
+        b, _, n, _ = q.shape
+        m = n_uncommitted
+        span = max(starts) + m
+        keys, values = k_cache[:, :, :span], v_cache[:, :, :span]  # (B, H, span, D)
+        if n == 1 and tree_mask is None and all(s == starts[0] for s in starts):
+            return F.scaled_dot_product_attention(q, keys, values, scale=scale)
+        visible = chain_mask(n, m, q.device) if tree_mask is None else tree_mask  # (N, M) or (B, N, M)
+        mask = torch.zeros(b, 1, n, span, dtype=torch.bool, device=q.device)  # (B, 1, N, span)
+        for row, s in enumerate(starts):
+            mask[row, 0, :, :s] = True
+            mask[row, 0, :, s:s + m] = visible if visible.dim() == 2 else visible[row]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+    def commit(self, k, v, row, start, path):
+        src = torch.tensor(path, device=k.device) + start
+        dst = slice(start, start + len(path))
+        k[:, row, :, dst] = k[:, row, :, src]  # advanced indexing on the right copies first
+        v[:, row, :, dst] = v[:, row, :, src]
+
+
+class TritonBackend(Backend):
+    """The Triton kernels of ``kernels/``; imported lazily so CPU users never need triton."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels import kv_cache as kv_kernels  # noqa: PLC0415 (optional dependency)
+        from kernels import tree_attention as attn_kernels  # noqa: PLC0415
+
+        self._kv = kv_kernels
+        self._attn = attn_kernels
+
+    def _starts(self, starts, device):
+        return torch.tensor(starts, dtype=torch.int64, device=device)
+
+    def append_qkv(self, qkv, k_cache, v_cache, starts, n_head):
+        return self._kv.kv_append(qkv.contiguous(), k_cache, v_cache, self._starts(starts, qkv.device))
+
+    def attention(self, q, k_cache, v_cache, starts, n_uncommitted, tree_mask, scale):
+        b, _, n, _ = q.shape
+        if tree_mask is None:
+            tree_mask = chain_mask(n, n_uncommitted, q.device)
+        if tree_mask.dim() == 2:
+            tree_mask = tree_mask.unsqueeze(0).expand(b, -1, -1)
+        return self._attn.tree_attention(q.contiguous(), k_cache, v_cache,
+                                         self._starts(starts, q.device), tree_mask.contiguous(), scale)
+
+    def commit(self, k, v, row, start, path):
+        path_t = torch.tensor([path], dtype=torch.int64, device=k.device)  # (1, M)
+        self._kv.kv_commit(k, v, torch.tensor([row], device=k.device),
+                           self._starts([start], k.device), path_t,
+                           torch.tensor([len(path)], dtype=torch.int64, device=k.device))
+
+
+def make_backend(name: str, device: torch.device) -> Backend:
+    """``"auto"``: Triton on CUDA, torch on CPU. ``"triton"`` on CPU needs TRITON_INTERPRET=1."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {name!r}")
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchBackend()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend='triton' on a CPU device needs TRITON_INTERPRET=1 set before triton is imported "
+            "(the interpreter is for tests); use backend='torch' for CPU inference"
+        )
+    try:
+        return TritonBackend()
+    except ImportError as exc:
+        raise ValueError(f"backend='triton' needs the triton package and kernels/ ({exc})") from exc

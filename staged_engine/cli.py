@@ -1,0 +1,160 @@
+"""The ``staged-engine`` command: demo, generate, bench, and the commands that build models."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .engine import STRATEGIES
+
+_EPILOG = "Run `staged-engine COMMAND --help` for the options of each command."
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("decoding")
+    g.add_argument("--strategy", choices=STRATEGIES, default="staged",
+                   help="decoding strategy (default: staged; plain is the reference)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="new tokens to generate (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (default 1)")
+    g.add_argument("--seed", type=int, default=None, help="fixes the sampled sequence (any strategy)")
+    g.add_argument("--num-beams", type=int, default=1, help="beams for --strategy beam/dsbd")
+    g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-text token")
+    s = p.add_argument_group("speculation knobs (defaults measured on the demo pair)")
+    s.add_argument("--budget", type=int, help="tree nodes per oracle pass, root included")
+    s.add_argument("--max-depth", type=int, help="deepest tree node")
+    s.add_argument("--children", type=int, help="children offered per draft-evaluated node")
+    s.add_argument("--expand", type=int, help="nodes the draft evaluates per pass")
+    s.add_argument("--chain-length", type=int, help="draft tokens per round for --strategy chain")
+    s.add_argument("--ngram-widths", type=str, help="n-gram mini-tree widths, e.g. 12,7,4,1,1,1")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--oracle", help="HF GPT-2 checkpoint directory (default: the embedded demo oracle)")
+    p.add_argument("--draft", help="draft checkpoint directory sharing the oracle's vocabulary")
+    p.add_argument("--draft2", help="optional third model stage between the draft and the n-gram")
+    p.add_argument("--ngram", help="n-gram table file (default for the demo: built and cached)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    p.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
+                   help="kernels: triton on CUDA, torch on CPU (auto)")
+
+
+def _load_engine(args):
+    from .engine import Engine
+
+    if args.oracle is None:
+        if args.draft or args.draft2:
+            raise ValueError("--draft/--draft2 need --oracle")
+        return Engine.demo(device=args.device, backend=args.backend)
+    return Engine.from_pretrained(args.oracle, draft=args.draft, ngram=args.ngram, device=args.device,
+                                  dtype=args.dtype, backend=args.backend, draft2=args.draft2)
+
+
+def _options(args) -> dict:
+    opts = {}
+    for name in ("budget", "max_depth", "children", "expand", "chain_length"):
+        v = getattr(args, name, None)
+        if v is not None:
+            opts[name] = v
+    if getattr(args, "ngram_widths", None):
+        try:
+            opts["ngram_widths"] = tuple(int(x) for x in args.ngram_widths.split(","))
+        except ValueError as exc:
+            raise ValueError(f"--ngram-widths must be comma-separated integers, got {args.ngram_widths!r}") from exc
+    return opts
+
+
+def _cmd_generate(args) -> int:
+    eng = _load_engine(args)
+    if args.prompt is not None and args.prompt_file is not None:
+        raise ValueError("give either --prompt or --prompt-file, not both")
+    if args.prompt_file is not None:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt = f.read()
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise ValueError("--prompt or --prompt-file is required")
+    if args.ids:
+        prompt = [int(x) for x in prompt.replace(",", " ").split()]
+    kwargs = dict(max_new_tokens=args.max_new_tokens, strategy=args.strategy,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                  num_beams=args.num_beams, stop_at_eos=not args.no_eos, **_options(args))
+    if args.stream and eng.tokenizer is not None:
+        for piece in eng.stream(prompt, **kwargs):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        stats = eng.last_stats
+    else:
+        res = eng.generate(prompt, **kwargs)
+        print(res.text if res.text is not None else " ".join(map(str, res.token_ids)))
+        stats = res.stats
+    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
+             if k != "accepted_lengths"}
+    print(json.dumps(shown) if args.json else
+          f"[{stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tok/s, "
+          f"{stats['tokens_per_oracle_call']:.2f} tokens/oracle call, finish: {stats['finish_reason']}]",
+          file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="staged-engine",
+        description="Staged speculative decoding (and DSBD) for GPT-2-family models: exact output, "
+                    "several times faster small-batch decoding.",
+        epilog=_EPILOG)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="generate from a few prompts with the embedded demo pair and show the speedup",
+                       description="Load the embedded demo oracle/draft pair (trained on the Python "
+                                   "standard library), generate code from a few prompts with plain "
+                                   "decoding and with staged speculation, and print text and speed.")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default 96)")
+    p.add_argument("--prompts", type=int, default=3, help="how many built-in prompts to run (default 3)")
+    p.add_argument("--strategy", choices=("chain", "tree", "staged"), default="staged",
+                   help="speculative strategy compared with plain decoding (default staged)")
+    p.set_defaults(func=lambda a: __import__("staged_engine.demo", fromlist=["run"]).run(a))
+
+    p = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate from a prompt with any strategy; prints the text and, on "
+                                   "stderr, the speed and acceptance figures.")
+    p.add_argument("--prompt", help="prompt text (or token ids with --ids)")
+    p.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--ids", action="store_true", help="the prompt is whitespace/comma separated token ids")
+    p.add_argument("--stream", action="store_true", help="print text as rounds complete")
+    p.add_argument("--json", action="store_true", help="print the stats as JSON on stderr")
+    _engine_args(p)
+    _add_sampling_args(p)
+    p.set_defaults(func=_cmd_generate)
+
+    for module, attr in (("staged_engine.ngram", "register_cli"), ("staged_engine.train", "register_cli"),
+                         ("staged_engine.bench_cli", "register_cli")):
+        try:
+            mod = __import__(module, fromlist=[attr])
+        except ImportError:
+            continue
+        getattr(mod, attr)(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"staged-engine {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

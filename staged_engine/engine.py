@@ -1,0 +1,346 @@
+"""The public API: ``Engine.from_pretrained``, ``Engine.demo``, ``generate``, ``stream``, ``logits``."""
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .backend import Backend, make_backend
+from .checkpoint import load_model, load_tokenizer
+from .model import GPT2
+from .runner import ModelRunner
+from .sampling import NoiseTable, SamplingParams
+from .drafters import ModelDrafter, NGramDrafter, TreeShape
+from .strategies import Decoder, PlainDecoder, SpeculativeDecoder
+
+STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
+# Defaults of the speculative knobs; bench/results/sweep_*.json holds the measurements behind them.
+DEFAULT_SHAPES = {
+    "chain": TreeShape(budget=5, max_depth=4, children=1, expand=1),
+    "tree": TreeShape(budget=16, max_depth=8, children=4, expand=4),
+    "staged": TreeShape(budget=16, max_depth=8, children=4, expand=4),
+}
+DEFAULT_NGRAM_WIDTHS = (12, 7, 4, 1, 1, 1)
+SPEC_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length", "ngram_widths", "ngram_learn")
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    text: str | None  # decoded new tokens (None without a tokenizer)
+    stats: dict = field(default_factory=dict)
+
+
+class TextStreamer:
+    """Incremental detokenizer: text pieces whose concatenation is decode(all tokens).
+
+    A byte-level tokenizer can split one UTF-8 character across tokens; the decoded text then
+    ends in U+FFFD until the last byte arrives, so such a tail is held back.
+    """
+
+    def __init__(self, decode) -> None:
+        self._decode = decode
+        self.tokens: list[int] = []
+        self.emitted = 0
+
+    def push(self, new: list[int]) -> str:
+        self.tokens.extend(new)
+        text = self._decode(self.tokens)
+        if text.endswith("\ufffd") or len(text) <= self.emitted:
+            return ""
+        piece, self.emitted = text[self.emitted:], len(text)
+        return piece
+
+    def finish(self) -> str:
+        text = self._decode(self.tokens)
+        piece, self.emitted = text[self.emitted:], len(text)
+        return piece
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class Engine:
+    """An oracle model, optional drafters, a tokenizer and a backend; decoding strategies on top."""
+
+    def __init__(self, oracle: GPT2, draft: GPT2 | None = None, tokenizer=None,
+                 backend: Backend | None = None, ngram=None, draft2: GPT2 | None = None) -> None:
+        self.oracle = oracle
+        self.draft = draft
+        self.draft2 = draft2
+        self.ngram = ngram
+        self.tokenizer = tokenizer
+        self.config = oracle.config
+        self.device = oracle.wte.weight.device
+        self.backend = backend or make_backend("auto", self.device)
+        for name, m in (("draft", draft), ("draft2", draft2)):
+            if m is not None and m.config.vocab_size != oracle.config.vocab_size:
+                raise ValueError(f"{name} vocabulary ({m.config.vocab_size}) differs from the "
+                                 f"oracle's ({oracle.config.vocab_size}); they must share a tokenizer")
+        if draft2 is not None and draft is None:
+            raise ValueError("draft2 needs a draft: the cascade is oracle <- draft <- draft2")
+        eos = oracle.config.eos_token_id
+        self.eos_token_id = eos if isinstance(eos, int) and 0 <= eos < oracle.config.vocab_size else None
+        self._runners: dict[str, ModelRunner] = {}
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_pretrained(cls, oracle: str, draft: str | None = None, ngram: str | None = None,
+                        device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+                        backend: str = "auto", draft2: str | None = None) -> "Engine":
+        """Load HF GPT-2 checkpoint directories (config.json + model.safetensors).
+
+        ``draft2`` adds a third model stage between the draft and the n-gram model.
+        """
+        dev = _parse_device(device)
+        dt = _parse_dtype(dtype, dev)
+        be = make_backend(backend, dev)
+        oracle_model = load_model(oracle, dev, dt)
+        draft_model = load_model(draft, dev, dt) if draft is not None else None
+        draft2_model = load_model(draft2, dev, dt) if draft2 is not None else None
+        tokenizer = load_tokenizer(oracle)
+        ngram_model = None
+        if ngram is not None:
+            from .ngram import NGramModel
+
+            ngram_model = NGramModel.load(ngram)
+            if ngram_model.vocab_size > oracle_model.config.vocab_size:
+                raise ValueError(f"ngram file {ngram}: vocabulary {ngram_model.vocab_size} exceeds "
+                                 f"the oracle's {oracle_model.config.vocab_size}")
+        return cls(oracle_model, draft_model, tokenizer, be, ngram_model, draft2_model)
+
+    @classmethod
+    def demo(cls, device: str | torch.device = "cpu", backend: str = "auto") -> "Engine":
+        """The embedded default pair shipped inside the package (nothing is downloaded)."""
+        oracle_dir = os.path.join(DEMO_DIR, "oracle")
+        if not os.path.isfile(os.path.join(oracle_dir, "model.safetensors")):
+            raise FileNotFoundError(f"the demo models are not in this build: {oracle_dir}")
+        draft_dir = os.path.join(DEMO_DIR, "draft")
+        draft = draft_dir if os.path.isdir(draft_dir) else None
+        return cls.from_pretrained(oracle_dir, draft=draft, device=device, backend=backend)
+
+    # ---------------------------------------------------------------- inputs
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of ``prompt`` (a string needs a tokenizer), validated against the vocabulary."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: it must hold at least one token")
+            if self.tokenizer is None:
+                raise ValueError("prompt is a string but the checkpoint has no tokenizer.json; "
+                                 "pass a sequence of token ids")
+            ids = self.tokenizer.encode(prompt).ids
+        elif isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point():
+                raise ValueError(f"prompt tensor must be 1-D integer token ids, got shape "
+                                 f"{tuple(prompt.shape)} dtype {prompt.dtype}")
+            ids = prompt.tolist()
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        vocab = self.config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        if len(ids) >= self.config.n_positions:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context window is "
+                             f"{self.config.n_positions}: at most {self.config.n_positions - 1} "
+                             "prompt tokens leave room to generate")
+        return ids
+
+    def decode(self, ids: list[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---------------------------------------------------------------- decoding
+    def _runner(self, key: str, model: GPT2) -> ModelRunner:
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = ModelRunner(model, self.backend)
+            self._runners[key] = runner
+        return runner
+
+    def _decoder(self, strategy: str, params: SamplingParams, noise: NoiseTable | None,
+                 options: dict) -> Decoder:
+        oracle = self._runner("oracle", self.oracle)
+        if strategy == "plain":
+            if options:
+                raise ValueError(f"strategy 'plain' takes no options, got {sorted(options)}")
+            return PlainDecoder(oracle, params, noise)
+        if strategy in ("chain", "tree", "staged"):
+            return SpeculativeDecoder(oracle, params, noise,
+                                      self._drafter(strategy, params, noise, options), strategy)
+        raise ValueError(f"strategy {strategy!r} is not available yet in this build")
+
+    def _drafter(self, strategy: str, params: SamplingParams, noise: NoiseTable | None,
+                 options: dict) -> ModelDrafter:
+        unknown = sorted(set(options) - set(SPEC_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for strategy {strategy!r}; "
+                             f"known: {list(SPEC_OPTIONS)}")
+        if self.draft is None:
+            raise ValueError(f"strategy {strategy!r} needs a draft model (Engine.from_pretrained(draft=...))")
+        shape = DEFAULT_SHAPES[strategy]
+        if strategy == "chain":
+            if any(k in options for k in ("budget", "children", "expand", "max_depth")):
+                raise ValueError("strategy 'chain' takes chain_length, not budget/children/expand/max_depth")
+            k = options.get("chain_length", shape.max_depth)
+            shape = TreeShape(budget=k + 1 if isinstance(k, int) else k, max_depth=k, children=1, expand=1)
+        else:
+            if "chain_length" in options:
+                raise ValueError(f"chain_length is an option of strategy 'chain', not {strategy!r}")
+            shape = TreeShape(**{f: options.get(f, getattr(shape, f))
+                                 for f in ("budget", "max_depth", "children", "expand")})
+        inner = None
+        if strategy == "staged":
+            widths = tuple(options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS))
+            inner = NGramDrafter(self._ngram_model(), widths, bool(options.get("ngram_learn", False)))
+            if self.draft2 is not None:
+                inner = ModelDrafter(self._runner("draft2", self.draft2), params, noise,
+                                     TreeShape(budget=8, max_depth=4, children=2, expand=2), inner)
+        elif "ngram_widths" in options or "ngram_learn" in options:
+            raise ValueError(f"ngram_widths/ngram_learn are options of strategy 'staged', not {strategy!r}")
+        return ModelDrafter(self._runner("draft", self.draft), params, noise, shape, inner)
+
+    def _ngram_model(self):
+        if self.ngram is None:
+            raise ValueError("strategy 'staged' needs an n-gram model: pass ngram= to "
+                             "Engine.from_pretrained (build one with `staged-engine ngram-build`)")
+        return self.ngram
+
+    def _rounds(self, prompt, max_new_tokens: int, strategy: str, temperature: float, top_k: int,
+                top_p: float, seed: int | None, num_beams: int, stop_at_eos: bool,
+                options: dict, stats: dict) -> Iterator[list[int]]:
+        """Validate, then yield the new tokens of each round; fills ``stats`` as it goes."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        _check_int("max_new_tokens", max_new_tokens, 1)
+        _check_int("num_beams", num_beams, 1)
+        if num_beams > 1 and strategy not in ("beam", "dsbd"):
+            raise ValueError(f"num_beams > 1 needs strategy 'beam' or 'dsbd', got {strategy!r}")
+        if seed is None and temperature > 0:
+            seed = random.getrandbits(63)
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        ids = self.encode(prompt)
+        noise = None if params.greedy else NoiseTable(params.seed, self.config.vocab_size, self.device)
+        decoder = self._decoder(strategy, params, noise, dict(options))
+        n_ctx = self.config.n_positions
+        t0 = time.perf_counter()
+        produced = 0
+        finish = "length"
+        with torch.inference_mode():
+            decoder.start(ids)
+            prefill_seconds = time.perf_counter() - t0
+            prefill_calls = decoder.oracle.calls
+            while True:
+                remaining = min(max_new_tokens - produced, n_ctx - len(ids) - produced)
+                if remaining <= 0:
+                    finish = "length" if produced >= max_new_tokens else "context"
+                    break
+                new = decoder.round(remaining)[:remaining]
+                if stop_at_eos and self.eos_token_id is not None and self.eos_token_id in new:
+                    new = new[:new.index(self.eos_token_id) + 1]
+                    produced += len(new)
+                    yield new
+                    finish = "eos"
+                    break
+                produced += len(new)
+                yield new
+        seconds = time.perf_counter() - t0
+        oracle = decoder.oracle
+        calls = oracle.calls - prefill_calls
+        forward = oracle.forward_seconds + decoder.draft_seconds()
+        stats.update(
+            strategy=strategy, new_tokens=produced, oracle_calls=calls,
+            draft_calls=decoder.draft_calls(),
+            tokens_per_oracle_call=produced / calls if calls else 0.0,
+            seconds=seconds, decode_seconds=seconds - prefill_seconds,
+            tokens_per_second=produced / max(seconds - prefill_seconds, 1e-9),
+            prefill_tokens=len(ids) - 1, finish_reason=finish,
+            forward_seconds=forward,
+            overhead_share=max(0.0, 1.0 - forward / seconds) if seconds > 0 else 0.0,
+            accepted_lengths=list(decoder.accepted_lengths),
+        )
+        oracle_bytes = self.config.weight_bytes_fp32 * oracle.model.wte.weight.element_size() // 4
+        if produced:
+            stats["relative_memory_traffic"] = (
+                calls * oracle_bytes + decoder.draft_weight_bytes()) / (produced * oracle_bytes)
+
+    def generate(self, prompt, max_new_tokens: int = 128, strategy: str = "staged",
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, num_beams: int = 1, stop_at_eos: bool = True,
+                 **options) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` new tokens; see README for strategies and options."""
+        stats: dict = {}
+        tokens: list[int] = []
+        for new in self._rounds(prompt, max_new_tokens, strategy, temperature, top_k, top_p,
+                                seed, num_beams, stop_at_eos, options, stats):
+            tokens.extend(new)
+        return GenerationResult(tokens, self.decode(tokens), stats)
+
+    def stream(self, prompt, max_new_tokens: int = 128, strategy: str = "staged",
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, num_beams: int = 1, stop_at_eos: bool = True,
+               **options) -> Iterator[str]:
+        """Text pieces as rounds complete; never splits a UTF-8 character. Needs a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("stream needs a tokenizer (tokenizer.json in the oracle directory)")
+        streamer = TextStreamer(self.decode)
+        stats: dict = {}
+        for new in self._rounds(prompt, max_new_tokens, strategy, temperature, top_k, top_p,
+                                seed, num_beams, stop_at_eos, options, stats):
+            piece = streamer.push(new)
+            if piece:
+                yield piece
+        piece = streamer.finish()
+        if piece:
+            yield piece
+        self.last_stats = stats
+
+    def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """(len, V) float32 oracle logits at every position of one plain forward pass."""
+        ids = self.encode(token_ids)
+        if len(ids) > self.config.n_positions:
+            raise ValueError(f"token_ids has {len(ids)} tokens; the context window is {self.config.n_positions}")
+        with torch.inference_mode():
+            cache = self.oracle.new_cache(batch=1, max_len=len(ids), backend=self.backend)
+            x = torch.tensor([ids], dtype=torch.int64, device=self.device)
+            pos = torch.arange(len(ids), device=self.device)[None]
+            return self.oracle(x, pos, cache)[0].float()
+
+
+def _parse_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be like 'cpu' or 'cuda:0', got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return dev
+
+
+def _parse_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if isinstance(dtype, str):
+        if dtype not in names:
+            raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
+        return names[dtype]
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    return dtype

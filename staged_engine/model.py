@@ -1,0 +1,125 @@
+"""GPT-2, hand-written: one forward pass for decoding over a static KV cache, one for training.
+
+Weight names follow HF/OpenAI (``wte``, ``wpe``, ``h.{i}.attn.c_attn``, ``ln_f``...). Linear
+weights are held as (out, in), the layout ``F.linear`` and the few-row GEMMs want; HF's Conv1D
+files store (in, out) and ``checkpoint.py`` transposes on load and save. The LM head is tied
+to ``wte``.
+
+The model knows nothing of speculation: ``forward(tokens, positions, cache, tree_mask)``
+writes the new tokens' K/V at each row's next free slots and returns logits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .backend import Backend, TorchBackend
+from .config import GPT2Config
+from .kv_cache import KVCache
+
+
+def _activation(name: str):
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    return F.relu
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)  # weight (3C, C): q | k | v
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, cfg.mlp_dim)
+        self.c_proj = nn.Linear(cfg.mlp_dim, cfg.n_embd)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPT2Config) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg)
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.act = _activation(config.activation_function)
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
+        std_proj = 0.02 / (2 * self.config.n_layer) ** 0.5
+        for name, p in self.named_parameters():
+            if name.endswith("bias") or ".ln_" in name or name.startswith("ln_f"):
+                p.data.fill_(1.0 if name.endswith("weight") else 0.0)
+            else:
+                std = std_proj if name.endswith("c_proj.weight") else 0.02
+                p.data.normal_(0.0, std, generator=generator)
+
+    def new_cache(self, batch: int = 1, max_len: int | None = None,
+                  backend: Backend | None = None) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layer, batch, c.n_head, max_len or c.n_positions, c.head_dim,
+                       self.wte.weight.dtype, self.wte.weight.device, backend or TorchBackend())
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                tree_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits for N new tokens per row; their K/V become pending cache entries.
+
+        tokens, positions: (B, N) int64. With P entries already pending, the new tokens go to
+        slots [cache.lengths[b] + P, + N). tree_mask: None (the P + N uncommitted entries are one
+        chain) or bool (N, P + N) / (B, N, P + N), mask[i, j] = entry j is token i's ancestor
+        or itself. Returns (B, N, V) logits in the model dtype, or (B, 1, V) with last_only.
+        """
+        cfg, be = self.config, cache.backend
+        b, n = tokens.shape
+        starts = cache.lengths
+        writes = cache.write_starts(n)
+        m = cache.pending + n
+        if tree_mask is not None and tuple(tree_mask.shape[-2:]) != (n, m):
+            raise ValueError(f"tree_mask must be ({n}, {m}) for {n} new tokens after {cache.pending} "
+                             f"pending entries, got {tuple(tree_mask.shape)}")
+        x = self.wte(tokens) + self.wpe(positions)  # (B, N, C)
+        for layer, blk in enumerate(self.h):
+            h = F.layer_norm(x, (cfg.n_embd,), blk.ln_1.weight, blk.ln_1.bias, cfg.layer_norm_epsilon)
+            qkv = be.linear(h, blk.attn.c_attn.weight, blk.attn.c_attn.bias)  # (B, N, 3C)
+            q = be.append_qkv(qkv, cache.k[layer], cache.v[layer], writes, cfg.n_head)  # (B, H, N, D)
+            a = be.attention(q, cache.k[layer], cache.v[layer], starts, m, tree_mask, cfg.attn_scale)
+            a = a.transpose(1, 2).reshape(b, n, cfg.n_embd)  # (B, N, C)
+            x = x + be.linear(a, blk.attn.c_proj.weight, blk.attn.c_proj.bias)
+            h = F.layer_norm(x, (cfg.n_embd,), blk.ln_2.weight, blk.ln_2.bias, cfg.layer_norm_epsilon)
+            h = self.act(be.linear(h, blk.mlp.c_fc.weight, blk.mlp.c_fc.bias))  # (B, N, 4C)
+            x = x + be.linear(h, blk.mlp.c_proj.weight, blk.mlp.c_proj.bias)
+        cache.pending = m
+        if last_only:
+            x = x[:, -1:]
+        x = F.layer_norm(x, (cfg.n_embd,), self.ln_f.weight, self.ln_f.bias, cfg.layer_norm_epsilon)
+        return be.linear(x, self.wte.weight, None)  # (B, N, V)
+
+    def forward_train(self, idx: torch.Tensor) -> torch.Tensor:
+        """Full causal pass without a cache, for training: idx (B, T) -> logits (B, T, V)."""
+        cfg = self.config
+        b, t = idx.shape
+        pos = torch.arange(t, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
+        for blk in self.h:
+            h = blk.ln_1(x)
+            q, k, v = blk.attn.c_attn(h).view(b, t, 3, cfg.n_head, cfg.head_dim).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+            x = x + blk.attn.c_proj(a.transpose(1, 2).reshape(b, t, cfg.n_embd))
+            x = x + blk.mlp.c_proj(self.act(blk.mlp.c_fc(blk.ln_2(x))))
+        return F.linear(self.ln_f(x), self.wte.weight)

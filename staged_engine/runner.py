@@ -1,0 +1,96 @@
+"""A model with its KV cache: the only place that turns token lists into forward passes.
+
+Strategies drive runners; runners drive the model. Positions and cache slots follow
+ALGORITHMS.md sec. 7: the runner's committed tokens fill slots [0, L); a batch of new nodes
+with depths d_i is written at slots L + i and placed at positions L + d_i.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .backend import Backend
+from .kv_cache import KVCache
+from .model import GPT2
+
+
+class ModelRunner:
+    """One model, one cache row by default; counts its forward passes and their time."""
+
+    def __init__(self, model: GPT2, backend: Backend, batch: int = 1) -> None:
+        self.model = model
+        self.cache: KVCache = model.new_cache(batch=batch, backend=backend)
+        self.device = model.wte.weight.device
+        self.calls = 0
+        self.forward_seconds = 0.0
+        self.nodes = 0
+
+    @property
+    def length(self) -> int:
+        """Committed tokens in row 0."""
+        return self.cache.lengths[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.calls = 0
+        self.forward_seconds = 0.0
+        self.nodes = 0
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask, last_only: bool):
+        t0 = time.perf_counter()
+        logits = self.model(tokens, positions, self.cache, tree_mask, last_only)
+        self.forward_seconds += time.perf_counter() - t0
+        self.calls += 1
+        self.nodes += tokens.numel()
+        return logits
+
+    def prefill(self, tokens: list[int], chunk: int = 512) -> None:
+        """Process and commit ``tokens`` after what is already cached (no logits kept)."""
+        for i in range(0, len(tokens), chunk):
+            part = tokens[i:i + chunk]
+            start = self.length
+            ids = torch.tensor([part], dtype=torch.int64, device=self.device)
+            pos = torch.arange(start, start + len(part), device=self.device)[None]
+            self._run(ids, pos, None, last_only=True)
+            self.cache.advance()
+
+    def step(self, token: int) -> torch.Tensor:
+        """Forward one token at the next position and commit it; returns (V,) logits."""
+        start = self.length
+        ids = torch.tensor([[token]], dtype=torch.int64, device=self.device)
+        pos = torch.tensor([[start]], dtype=torch.int64, device=self.device)
+        logits = self._run(ids, pos, None, last_only=False)[0, 0]
+        self.cache.advance()
+        return logits
+
+    @property
+    def pending(self) -> int:
+        """Entries written by ``forward_nodes`` since the last commit."""
+        return self.cache.pending
+
+    def forward_nodes(self, tokens: list[int], positions: list[int],
+                      tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """Forward N new nodes at absolute ``positions``; returns (N, V) logits.
+
+        They become pending entries pending..pending+N-1. ``tree_mask`` is (N, pending + N)
+        bool, or None when all pending entries and the new nodes form one chain. Nothing is
+        committed: follow with ``commit(path)`` or ``discard()``.
+        """
+        ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
+        pos = torch.tensor([positions], dtype=torch.int64, device=self.device)
+        return self._run(ids, pos, tree_mask, last_only=False)[0]
+
+    def commit(self, path: list[int]) -> None:
+        """Keep the pending entries ``path`` (increasing, starting at 0), drop the rest."""
+        self.cache.commit_path(path)
+
+    def discard(self) -> None:
+        self.cache.discard()
+
+    def rollback(self, length: int) -> None:
+        self.cache.truncate(length)

@@ -1,0 +1,185 @@
+"""The engine's one sampling rule: processed distributions and position-keyed Gumbel-max.
+
+ALGORITHMS.md sec. 2-3. For a seed s and an absolute position t, ``gumbel_noise(s, t, V)`` is a
+fixed vector of V Gumbel(0, 1) variables that depends on (s, t) only. The token chosen at
+position t is ``argmax(log p' + g(s, t))`` (T > 0) or ``argmax(z)`` (T = 0), with ties broken
+by the smallest token id. Plain decoding and every speculative strategy call the same
+``choose`` on the oracle's logits, so a seed fixes one output sequence for all of them.
+
+The noise is a counter-based integer hash (Wellons' ``lowbias32`` finaliser, chained), chosen
+because it is a handful of 32-bit operations: the torch code below and the Triton kernel in
+``kernels/verify.py`` compute the same bits. ``_hash_reference`` is a pure-Python copy used
+by the tests as an independent reference.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_VOCAB_SALT = 0x632BE5AB
+
+
+def _mix32_int(x: int) -> int:
+    """lowbias32 on a Python int in [0, 2^32)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    x ^= x >> 16
+    return x
+
+
+def _mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on an int64 tensor holding values in [0, 2^32); int64 products wrap mod 2^64,
+    which keeps the low 32 bits exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The 32-bit key of the noise vector at (seed, position)."""
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    k = _mix32_int((s & _M32) ^ _GOLDEN)
+    k = _mix32_int(k ^ (s >> 32))
+    return _mix32_int(k ^ (position & _M32))
+
+
+def vocab_salt(vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(V,) int64: the per-token half of the hash, independent of seed and position."""
+    v = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    return _mix32_tensor((v * _GOLDEN + _VOCAB_SALT) & _M32)
+
+
+def _hash_reference(seed: int, position: int, token: int) -> int:
+    """Pure-Python 32-bit hash of (seed, position, token); the tests' reference."""
+    key = noise_key(seed, position)
+    salt = _mix32_int((token * _GOLDEN + _VOCAB_SALT) & _M32)
+    return _mix32_int((_mix32_int(salt ^ key) + key) & _M32)
+
+
+def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """23 hash bits -> float32 uniforms in (0, 1), exact: ((h >> 9) + 0.5) / 2^23."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+def gumbel_noise(seed: int, position: int, salt: torch.Tensor) -> torch.Tensor:
+    """(V,) float32 Gumbel(0, 1) noise g(seed, position); ``salt`` comes from ``vocab_salt``."""
+    key = noise_key(seed, position)
+    h = _mix32_tensor(((_mix32_tensor(salt ^ key)) + key) & _M32)
+    u = uniform_from_hash(h)
+    return -torch.log(-torch.log(u))
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a logit vector becomes a token (ALGORITHMS.md sec. 2)."""
+
+    temperature: float = 0.0  # 0 means greedy (argmax of the raw logits)
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    top_p: float = 1.0  # keep the smallest prefix of the sorted distribution with mass >= top_p
+    seed: int | None = None  # fixes the noise g(seed, position); None draws a random seed
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or self.seed < 0 or self.seed >= 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2^64) or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log p' for ``logits`` (..., V): softmax(z / T), then top-k, then top-p, renormalised.
+
+    Removed tokens get -inf. Top-k keeps the k largest (ties by smaller id); top-p keeps, in
+    that order, every token whose preceding cumulative mass is < top_p (so at least one).
+    Returned in float32.
+    """
+    if params.greedy:
+        raise ValueError("processed_logprobs needs temperature > 0; greedy uses the raw logits")
+    z = logits.float() / params.temperature
+    vocab = z.shape[-1]
+    k = params.top_k if 0 < params.top_k < vocab else vocab
+    if k == vocab and params.top_p >= 1.0:
+        return torch.log_softmax(z, dim=-1)
+    # Stable descending order: ties go to the smaller token id.
+    vals, idx = torch.sort(z, dim=-1, descending=True, stable=True)
+    vals, idx = vals[..., :k], idx[..., :k]
+    logp = torch.log_softmax(vals, dim=-1)
+    if params.top_p < 1.0:
+        mass_before = torch.cumsum(logp.exp(), dim=-1) - logp.exp()
+        logp = logp.masked_fill(mass_before >= params.top_p, float("-inf"))
+        logp = torch.log_softmax(logp, dim=-1)
+    out = torch.full_like(z, float("-inf"))
+    return out.scatter_(-1, idx, logp)
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """p' as probabilities (..., V), float32; at T = 0 a one-hot on the argmax."""
+    if params.greedy:
+        onehot = torch.zeros_like(logits, dtype=torch.float32)
+        return onehot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return processed_logprobs(logits, params).exp()
+
+
+class NoiseTable:
+    """Caches g(seed, t) per position for one generation; positions repeat across rounds."""
+
+    def __init__(self, seed: int, vocab_size: int, device: torch.device | str = "cpu",
+                 capacity: int = 256) -> None:
+        self.seed = seed
+        self.salt = vocab_salt(vocab_size, device)
+        self.capacity = capacity
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def at(self, position: int) -> torch.Tensor:
+        g = self._cache.get(position)
+        if g is None:
+            if len(self._cache) >= self.capacity:
+                self._cache.pop(next(iter(self._cache)))
+            g = gumbel_noise(self.seed, position, self.salt)
+            self._cache[position] = g
+        return g
+
+    def rows(self, positions: list[int]) -> torch.Tensor:
+        """(N, V) noise for N positions."""
+        return torch.stack([self.at(p) for p in positions])
+
+
+def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,
+           noise: NoiseTable | None) -> torch.Tensor:
+    """choice() of ALGORITHMS.md sec. 3 for N logit rows.
+
+    logits: (N, V) oracle (or draft) logits; positions: the N absolute positions being chosen
+    (the position of the token that will be emitted). Returns (N,) int64 token ids.
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    if noise is None:
+        raise ValueError("sampling at temperature > 0 needs a NoiseTable")
+    scores = processed_logprobs(logits, params) + noise.rows(positions)
+    return scores.argmax(dim=-1)
+
+
+def perturbed_logprobs(logits: torch.Tensor, positions: list[int], params: SamplingParams,
+                       noise: NoiseTable | None) -> torch.Tensor:
+    """Scores whose argmax is ``choose``: log p' + g at T > 0, raw logits at T = 0. (N, V)."""
+    if params.greedy:
+        return logits.float()
+    return processed_logprobs(logits, params) + noise.rows(positions)

@@ -1,0 +1,27 @@
+"""Shared fixtures: small random-weight GPT-2 checkpoints written by transformers itself."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from ckpt_util import CHECKPOINT_CONFIGS, make_hf_checkpoint, perturbed_copy
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_hf_checkpoint(str(root / name), seed=i, **cfg)
+            for i, (name, cfg) in enumerate(CHECKPOINT_CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def pair(checkpoints, tmp_path_factory) -> tuple[str, str]:
+    """(oracle, draft) directories: odd96 and a perturbed copy of it."""
+    root = tmp_path_factory.mktemp("draft")
+    return checkpoints["odd96"], perturbed_copy(checkpoints["odd96"], str(root / "draft"), 0.05, seed=11)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The test models are tiny: one thread is fastest and immune to oversubscription.
+torch.set_num_threads(1)

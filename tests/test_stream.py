@@ -1,0 +1,50 @@
+"""stream(): pieces concatenate to generate().text and never split a UTF-8 character."""
+from __future__ import annotations
+
+import pytest
+from ckpt_util import make_hf_checkpoint
+
+from staged_engine import Engine
+from staged_engine.engine import TextStreamer
+
+TEXT = ["héllo wörld ünïcødé 😀🎉 naïve café", "def f(x):\n    return x * 2  # ✓"]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT * 20, trainer)
+    return tok
+
+
+def test_streamer_holds_back_a_split_character(byte_tokenizer):
+    tok = byte_tokenizer
+    ids = tok.encode("a😀b").ids
+    byte_ids = [tok.token_to_id(c) for c in tok.pre_tokenizer.pre_tokenize_str("😀")[0][0]]
+    assert len(byte_ids) == 4 and None not in byte_ids  # four byte tokens for one character
+    streamer = TextStreamer(lambda t: tok.decode(t))
+    pieces = [streamer.push([i]) for i in [ids[0]] + byte_ids + [tok.token_to_id("b")]]
+    assert pieces == ["a", "", "", "", "😀", "b"]
+    assert "\ufffd" not in "".join(pieces)
+
+
+def test_stream_concatenates_to_generate_text(byte_tokenizer, tmp_path):
+    path = make_hf_checkpoint(str(tmp_path / "m"), seed=5, vocab_size=byte_tokenizer.get_vocab_size(),
+                              n_positions=128, n_embd=64, n_layer=2, n_head=2)
+    byte_tokenizer.save(str(tmp_path / "m" / "tokenizer.json"))
+    eng = Engine.from_pretrained(path)
+    for seed in range(4):
+        kw = dict(max_new_tokens=40, strategy="plain", temperature=1.0, seed=seed, stop_at_eos=False)
+        text = eng.generate("héllo wörld", **kw).text
+        pieces = list(eng.stream("héllo wörld", **kw))
+        assert "".join(pieces) == text
+        so_far = ""
+        for piece in pieces:  # every emitted prefix is final: nothing is taken back or replaced
+            so_far += piece
+            assert text.startswith(so_far)
