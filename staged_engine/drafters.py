@@ -1,0 +1,331 @@
+"""Drafters: who proposes the speculative tree (ALGORITHMS.md sec. 5, 6).
+
+A drafter is either an n-gram model (``NGramDrafter``) or a model with an optional inner
+drafter (``ModelDrafter``). The model drafter builds the oracle's tree best-first by cumulative
+draft probability, evaluating nodes in batched forward passes over its own KV cache; its inner
+drafter hangs a mini-tree below the tip of the current most likely path in every pass, and the
+nodes of that mini-tree the draft itself would have chosen come for free. Any depth of cascade
+(oracle <- model <- model <- n-gram) is the same code. Inner stages are heuristics: only the
+oracle decides what is emitted, so nothing here can change the output.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .runner import ModelRunner
+from .sampling import NoiseTable, SamplingParams, perturbed_logprobs
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How big a tree to build (the knobs of ALGORITHMS.md sec. 5)."""
+
+    budget: int = 16  # oracle batch size: tree nodes including the root
+    max_depth: int = 8  # deepest node (root = 0)
+    children: int = 4  # children offered by each evaluated node
+    expand: int = 4  # nodes the draft evaluates per forward pass (besides n-gram nodes)
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "max_depth", "children", "expand"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+class NGramDrafter:
+    """The lowest stage: mini-trees from an n-gram model; costs microseconds, has no cache."""
+
+    def __init__(self, ngram, widths: tuple[int, ...] = (12, 7, 4, 1, 1, 1), learn: bool = False) -> None:
+        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+            raise ValueError(f"ngram_widths must be a non-empty sequence of integers >= 1, got {widths!r}")
+        self.ngram = ngram
+        self.widths = list(widths)
+        self.learn = learn  # add the prompt and accepted text to the counts (prompt lookup)
+        self.calls = 0
+
+    def start(self, prompt: list[int]) -> None:
+        self.calls = 0
+        if self.learn:
+            self.ngram.update(prompt)
+
+    def propose(self, context: list[int]) -> tuple[list[int], list[int]]:
+        """Mini-tree below the last token of ``context``: tokens, parents (-1 = the tip)."""
+        self.calls += 1
+        return self.ngram.propose(context[-(self.ngram.order - 1):] if self.ngram.order > 1 else [],
+                                  self.widths)
+
+    def observe(self, tokens: list[int], context: list[int]) -> None:
+        if self.learn:
+            self.ngram.update(context[-(self.ngram.order - 1):] + tokens if self.ngram.order > 1 else tokens)
+
+    @property
+    def forward_seconds(self) -> float:
+        return 0.0
+
+
+class _Slots:
+    """Visibility bookkeeping of a drafter's pending cache entries within one round."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.vis = np.zeros((capacity, capacity), dtype=np.bool_)
+        self.count = 0
+
+    def add(self, parent_slot: int) -> int:
+        s = self.count
+        if s >= self.vis.shape[0]:
+            grown = np.zeros((2 * s, 2 * s), dtype=np.bool_)
+            grown[:s, :s] = self.vis[:s, :s]
+            self.vis = grown
+        self.vis[s, :] = False
+        if parent_slot >= 0:
+            self.vis[s, :s] = self.vis[parent_slot, :s]
+        self.vis[s, s] = True
+        self.count += 1
+        return s
+
+    def mask(self, first: int, device) -> torch.Tensor:
+        """(N, count) visibility of slots first..count-1 over all slots so far."""
+        return torch.from_numpy(self.vis[first:self.count, :self.count].copy()).to(device)
+
+
+class ModelDrafter:
+    """A draft model that builds trees best-first; optionally sped up by an inner drafter."""
+
+    def __init__(self, runner: ModelRunner, params: SamplingParams, noise: NoiseTable | None,
+                 shape: TreeShape, inner: "NGramDrafter | ModelDrafter | None" = None) -> None:
+        self.runner = runner
+        self.params = params
+        self.noise = noise
+        self.shape = shape
+        self.inner = inner
+        self.unseen: list[int] = []  # accepted tokens the draft has not processed; last = root
+        self.history: list[int] = []  # every accepted token, root included
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self, prompt: list[int]) -> None:
+        self.runner.reset()
+        self.runner.prefill(prompt[:-1])
+        self.unseen = [prompt[-1]]
+        self.history = list(prompt)
+        if self.inner is not None:
+            self.inner.start(prompt)
+
+    @property
+    def calls(self) -> int:
+        return self.runner.calls
+
+    @property
+    def forward_seconds(self) -> float:
+        inner = self.inner.forward_seconds if self.inner is not None else 0.0
+        return self.runner.forward_seconds + inner
+
+    def weight_bytes_read(self) -> int:
+        """Weight bytes this drafter and its inner stages read so far."""
+        own = self.runner.calls * self.runner.model.config.weight_bytes_fp32 \
+            * self.runner.model.wte.weight.element_size() // 4
+        if isinstance(self.inner, ModelDrafter):
+            own += self.inner.weight_bytes_read()
+        return own
+
+    # ----------------------------------------------------------------- scoring
+    def _child_scores(self, logits: torch.Tensor, positions: list[int]) -> tuple[list, list]:
+        """Top children of evaluated nodes: (tokens, log r) lists per row, best first.
+
+        r is the draft's distribution used for tree scores: softmax(z) at T = 0, else the
+        softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses).
+        """
+        scores = perturbed_logprobs(logits, positions, self.params, self.noise)
+        logr = torch.log_softmax(scores, dim=-1)
+        k = min(self.shape.children, logr.shape[-1])
+        vals, idx = torch.topk(logr, k, dim=-1)
+        return idx.tolist(), vals.tolist()
+
+    # ----------------------------------------------------------------- tree building
+    def build(self, root_position: int, budget: int, max_depth: int) -> tuple[Tree, list[int], dict]:
+        """Build the oracle's tree for this round.
+
+        Returns the tree (topological order, at most ``budget`` nodes, depth <= max_depth), the
+        draft-tree node of each oracle node, and this round's bookkeeping for ``accept``.
+        """
+        runner = self.runner
+        tree = Tree(self.unseen[-1])
+        logscore = [0.0]  # log of the cumulative draft probability
+        slot = [-1]  # pending cache entry of an evaluated node, -1 if not evaluated
+        state = {"slot": slot}
+        slots = _Slots()
+        base = runner.length  # committed draft tokens; the unseen tokens go right after
+        room = min(runner.max_len, runner.model.config.n_positions) - base  # pending entries allowed
+        max_depth = min(max_depth, room - len(self.unseen))
+        if max_depth <= 0 or budget <= 1:
+            return Tree(tree.tokens[0]), [0], state
+        frontier = {0}
+        for _ in range(budget + max_depth):  # a hard cap; the threshold test ends it sooner
+            cand = self._pick(frontier, tree, logscore, budget, max_depth)
+            cand = cand[:max(0, room - slots.count - (len(self.unseen) if slot[0] < 0 else 0))]
+            if not cand:
+                break
+            first_slot = slots.count
+            tokens: list[int] = []
+            positions: list[int] = []
+            expand_rows: list[tuple[int, int]] = []  # (batch row, tree node)
+            if slot[0] < 0:  # first pass: the unseen tokens, ending in the root
+                parent = -1
+                for i, tok in enumerate(self.unseen):
+                    parent = slots.add(parent)
+                    tokens.append(tok)
+                    positions.append(base + i)
+                slot[0] = parent
+                expand_rows.append((len(tokens) - 1, 0))
+                cand = [c for c in cand if c != 0]
+            for node in cand:
+                slot[node] = slots.add(slot[tree.parents[node]])
+                tokens.append(tree.tokens[node])
+                positions.append(root_position + tree.depths[node])
+                expand_rows.append((len(tokens) - 1, node))
+            mini = self._hang_mini_tree(tree, slot, frontier, expand_rows, tokens, positions,
+                                        slots, first_slot, root_position, max_depth, room)
+            logits = runner.forward_nodes(tokens, positions, slots.mask(first_slot, runner.device))
+            # Children of every evaluated row; n-gram rows only count where the draft agrees.
+            rows = [r for r, _ in expand_rows] + [r for r, _, _ in mini]
+            child_tok, child_logr = self._child_scores(logits[rows], [positions[r] + 1 for r in rows])
+            per_row = {r: (child_tok[i], child_logr[i]) for i, r in enumerate(rows)}
+            row_node = dict(expand_rows)
+            for r, node in expand_rows:
+                frontier.discard(node)
+                self._add_children(tree, logscore, slot, frontier, node, *per_row[r])
+            for r, prow, tok in mini:
+                pnode = row_node.get(prow)
+                node = None if pnode is None else tree.children[pnode].get(tok)
+                if node is None or slot[node] >= 0:
+                    continue
+                slot[node] = first_slot + r
+                row_node[r] = node
+                frontier.discard(node)
+                if tree.depths[node] < max_depth:
+                    self._add_children(tree, logscore, slot, frontier, node, *per_row[r])
+        keep = sorted(range(1, len(tree)), key=lambda n: (-logscore[n], n))[:budget - 1]
+        keep = [0] + sorted(keep)  # best-scored nodes are prefix-closed; index order is topological
+        new_index = {old: i for i, old in enumerate(keep)}
+        out = Tree(tree.tokens[0])
+        for old in keep[1:]:
+            out.add(new_index[tree.parents[old]], tree.tokens[old])
+        return out, keep, state
+
+    def _hang_mini_tree(self, tree: Tree, slot: list[int], frontier: set[int],
+                        expand_rows: list[tuple[int, int]], tokens: list[int], positions: list[int],
+                        slots: _Slots, first_slot: int, root_position: int, max_depth: int,
+                        room: int) -> list[tuple[int, int, int]]:
+        """Append the inner drafter's mini-tree below the tip of the most likely path to this
+        pass's batch. Returns (batch row, parent batch row, token) per appended node."""
+        if self.inner is None:
+            return []
+        tip = self._tip(tree, slot, frontier)
+        tip_row = next((r for r, n in expand_rows if n == tip), None)
+        if tip_row is None or tree.depths[tip] >= max_depth:
+            return []
+        m_tokens, m_parents = self.inner.propose(self.history + self._path_tokens(tree, tip))
+        mini: list[tuple[int, int, int]] = []
+        depth_of: list[int] = []
+        for tok, par in zip(m_tokens, m_parents):
+            if par >= len(depth_of):  # its parent was cut off below
+                continue
+            prow = tip_row if par < 0 else mini[par][0]
+            d = (tree.depths[tip] if par < 0 else depth_of[par]) + 1
+            if d > max_depth or slots.count >= room:
+                break
+            slots.add(first_slot + prow)
+            tokens.append(tok)
+            positions.append(root_position + d)
+            depth_of.append(d)
+            mini.append((len(tokens) - 1, prow, tok))
+        return mini
+
+    def _pick(self, frontier: set[int], tree: Tree, logscore: list[float], budget: int,
+              max_depth: int) -> list[int]:
+        """Unexpanded nodes worth expanding: their children could still enter the budget."""
+        if 0 in frontier:
+            return [0]
+        others = sorted(logscore[1:], reverse=True)
+        threshold = others[budget - 2] if len(others) >= budget - 1 else float("-inf")
+        cand = [n for n in frontier if tree.depths[n] < max_depth and logscore[n] > threshold]
+        cand.sort(key=lambda n: (-logscore[n], n))
+        return cand[:self.shape.expand]
+
+    def _add_children(self, tree: Tree, logscore: list[float], slot: list[int], frontier: set[int],
+                      node: int, tokens: list[int], logr: list[float]) -> None:
+        for tok, lr in zip(tokens, logr):
+            if lr == float("-inf") or tok in tree.children[node]:
+                continue
+            child = tree.add(node, tok)
+            logscore.append(logscore[node] + lr)
+            slot.append(-1)
+            frontier.add(child)
+
+    def _tip(self, tree: Tree, slot: list[int], frontier: set[int]) -> int | None:
+        """First unevaluated node on the most likely path (best child at every step)."""
+        node = 0
+        while slot[node] >= 0:
+            kids = tree.children[node]
+            if not kids:
+                return None
+            node = min(kids.values())  # children are added best first
+        return node if node in frontier or node == 0 else None
+
+    @staticmethod
+    def _path_tokens(tree: Tree, node: int) -> list[int]:
+        """Tokens from the root's child down to ``node`` (root excluded)."""
+        out = []
+        while node > 0:
+            out.append(tree.tokens[node])
+            node = tree.parents[node]
+        return out[::-1]
+
+    # ----------------------------------------------------------------- after verification
+    def accept(self, state: dict, draft_nodes: list[int], emitted: list[int]) -> None:
+        """Sync with the oracle: ``draft_nodes`` is the accepted path as draft-tree nodes (root
+        first), ``emitted`` the new tokens (path tokens after the root, then the bonus)."""
+        slot = state["slot"]
+        evaluated = 0
+        while evaluated < len(draft_nodes) and slot[draft_nodes[evaluated]] >= 0:
+            evaluated += 1
+        if evaluated == 0:  # the draft ran no pass this round
+            self.runner.discard()
+            self.unseen.extend(emitted)
+        else:
+            # slots 0..slot[root]-1 hold the unseen tokens before the root
+            keep = list(range(slot[0])) + [slot[n] for n in draft_nodes[:evaluated]]
+            self.runner.commit(keep)
+            self.unseen = emitted[evaluated - 1:]
+        if self.inner is not None:
+            self.inner.observe(emitted, self.history)
+        self.history.extend(emitted)
+
+    # ----------------------------------------------------------------- as an inner stage
+    def propose(self, context: list[int]) -> tuple[list[int], list[int]]:
+        """Mini-tree below the last token of ``context`` (which extends the accepted history):
+        this drafter's own best-first tree, as tokens and parents (-1 = the tip)."""
+        n = len(self.history)
+        if context[:n] != self.history:
+            raise ValueError("inner drafter out of sync with the accepted history")
+        saved = self.unseen
+        self.unseen = saved + context[n:]
+        try:
+            tree, _, _ = self.build(len(context) - 1, self.shape.budget, self.shape.max_depth)
+        finally:
+            self.runner.discard()
+            self.unseen = saved
+        return tree.tokens[1:], [p - 1 for p in tree.parents[1:]]
+
+    def observe(self, emitted: list[int], context: list[int]) -> None:
+        """The outer stage accepted ``emitted``: commit it to this drafter's cache."""
+        self.unseen = self.unseen + emitted
+        self.runner.prefill(self.unseen[:-1])
+        self.unseen = self.unseen[-1:]
+        if self.inner is not None:
+            self.inner.observe(emitted, self.history)
+        self.history.extend(emitted)
