@@ -1,7 +1,9 @@
 """Build and install staged-engine.
 
-The C++ sources in csrc/ compile into ``staged_engine._ngram`` with torch's cpp_extension and
-ninja. Install with ``pip install --no-build-isolation -e .`` so the extension builds against the
+The C++ sources in csrc/ compile with torch's cpp_extension and ninja into two modules:
+``staged_engine._ngram`` (csrc/ngram*.cpp, the n-gram draft stage) and ``staged_engine._cpu``
+(csrc/cpu_*.cpp, few-row CPU kernels; built with -march=native because the extension is always
+compiled on the machine that runs it). Install with ``pip install --no-build-isolation -e .`` so the extension builds against the
 torch that is already installed (a build-isolated install would fetch another torch).
 """
 import glob
@@ -18,17 +20,22 @@ except ImportError as exc:  # pragma: no cover - only hit on a misconfigured ins
     ) from exc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sources = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
+
+
+def _sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", pattern)))
+
 
 ext_modules = []
-if sources:
-    ext_modules.append(
-        CppExtension(
-            name="staged_engine._ngram",
-            sources=sources,
-            extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
-        )
-    )
+if _sources("ngram*.cpp"):
+    ext_modules.append(CppExtension(
+        name="staged_engine._ngram", sources=_sources("ngram*.cpp"),
+        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"]))
+if _sources("cpu_*.cpp"):
+    ext_modules.append(CppExtension(
+        name="staged_engine._cpu", sources=_sources("cpu_*.cpp"),
+        extra_compile_args=["-O3", "-std=c++17", "-march=native", "-fopenmp", "-fvisibility=hidden"],
+        extra_link_args=["-fopenmp"]))
 
 setup(
     name="staged-engine",

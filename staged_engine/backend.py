@@ -15,9 +15,17 @@ i; None means all M entries form one chain ending in the new tokens (j <= M - N 
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
+
+try:
+    from . import _cpu
+except ImportError:  # the C++ extension is not built: pure torch, same results up to rounding
+    _cpu = None
+
+NATIVE_MAX_ROWS = 64  # above this (prefill) the stock GEMM and SDPA are faster
 
 
 class Backend:
@@ -46,9 +54,34 @@ def chain_mask(n: int, m: int, device) -> torch.Tensor:
 
 
 class TorchBackend(Backend):
-    """Plain PyTorch: indexing for the cache, SDPA with an explicit mask for attention."""
+    """PyTorch on any device; on CPU in float32 its few-row products and attention run in the
+    ``_cpu`` C++ kernels (``native``), whose per-row results do not depend on the row count, so
+    a speculative round writes the same K/V bits as plain decoding. Without the extension it
+    falls back to stock torch (SDPA with an explicit mask), identical up to rounding.
+    """
 
     name = "torch"
+
+    def __init__(self, native: bool | None = None) -> None:
+        if native and _cpu is None:
+            raise ValueError("native=True needs the staged_engine._cpu extension "
+                             "(pip install --no-build-isolation -e .)")
+        if native is None:
+            native = _cpu is not None and os.environ.get("STAGED_ENGINE_NATIVE", "1") != "0"
+            if _cpu is None:
+                warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU",
+                              stacklevel=2)
+        self.native = bool(native)
+
+    def _use_native(self, t: torch.Tensor, rows: int) -> bool:
+        return self.native and rows <= NATIVE_MAX_ROWS and t.dtype == torch.float32 and t.device.type == "cpu"
+
+    def linear(self, x, weight, bias):
+        rows = x.numel() // x.shape[-1]
+        if self._use_native(x, rows):
+            y = _cpu.linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
 
     def append_qkv(self, qkv, k_cache, v_cache, starts, n_head):
         # qkv: (B, N, 3C) -> q, k, v each (B, H, N, D)
@@ -69,6 +102,9 @@ class TorchBackend(Backend):
         # q: (B, H, N, D); k_cache/v_cache: (B, H, S, D)
         b, _, n, _ = q.shape
         m = n_uncommitted
+        if self._use_native(q, b * n):
+            mask = tree_mask.contiguous() if tree_mask is not None else None
+            return _cpu.attention(q.contiguous(), k_cache, v_cache, starts, m, mask, scale)
         span = max(starts) + m
         keys, values = k_cache[:, :, :span], v_cache[:, :, :span]  # (B, H, span, D)
         if n == 1 and tree_mask is None and all(s == starts[0] for s in starts):
