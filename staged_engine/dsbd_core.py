@@ -1,0 +1,519 @@
+"""Dynamic-width speculative beam decoding (DSBD): the model-agnostic core.
+
+ALGORITHMS.md sec. 9 (Qin et al., AAAI 2025, arXiv 2409.16560). Everything here works on float64
+probability tensors and on an abstract ``BeamLM`` (token prefixes -> processed next-token
+distributions); the engine's models and KV caches plug in behind that interface.
+
+Terms. A *layer* holds W beams b_0..b_{W-1} (token tuples, duplicates allowed: a beam is a
+*slot*, not a set element). Its candidate space is the W x V pairs (slot i, token v), flattened as
+``c = i * V + v``. ``p_beam(c) ∝ S_p(b_i) p(v | b_i)`` where S_p is the product of the oracle's
+processed probabilities along the generated part of b_i (carried as a log-score); ``q_beam`` is the
+same with the draft's S_q and q. One beam-sampling step draws W candidates i.i.d. from p_beam.
+
+Verification of one layer (``verify_layer``). The drafted candidates arrive in draw order; two
+draws of the same (slot, token) are two entries, each tested on its own, and an accepted entry is
+its own slot in the next layer (with its own drafted children). Starting from p_cur = p_beam,
+entry c is accepted with probability min(1, p_cur(c) / q_beam(c)); a rejection sets
+p_cur <- norm(max(p_cur - q_beam, 0)), an acceptance resets p_cur <- p_beam. After W accepted
+entries the rest are ignored. With k < W accepted, one more candidate comes from p_cur and the
+other W - k - 1 from p_beam. The output is ordered: accepted entries in acceptance order, then
+the extra draws.
+
+Why the output is exactly W i.i.d. draws from p_beam. Given i.i.d. drafts x_1, x_2, ... ~ q_beam,
+the run of tests between two acceptances is the multi-draft rejection rule (Leviathan's rule with
+target p_j and proposal q, whose residual is p_{j+1}); with any number of drafts left, including
+none (then the draw from p_cur finishes it), it returns one sample of p_beam. The drafts it has not
+touched are still i.i.d. q_beam and independent of everything so far, so the next output is a fresh
+sample of p_beam, independent of the earlier ones. Hence output_1, ..., output_W are i.i.d. p_beam.
+
+Forest. The draft's beam sampling (width W_S, gamma steps) gives layer l+1's drafts i.i.d. from
+q over *all* W_S drafted slots of layer l. Verification keeps only the drafts whose parent slot was
+accepted ("descendants of rejected candidates are rejected": skipped, they neither count as a
+rejection nor change p_cur). Given layer l's drafts and its accepted slots A, the kept drafts are
+i.i.d. from q restricted to A and renormalised, which is exactly ``q_beam`` over the layer A (with
+the draft's scores S_q), and their number does not depend on their values. So every layer of a
+round is an exact beam-sampling step from the previous layer's output, and the rounds chain.
+
+Dynamic width. The width of the beams layer L outputs is ``dynamic_width(p_beam, q_beam, ...)``
+of that layer's inputs: a deterministic function of the beams (S_q is the draft's score of the
+whole generated part, never reset at round boundaries). DSBD with dynamic width therefore has the
+law of beam sampling that applies the same width rule at every step (``dsbd_width_rule``); with
+``dynamic=False`` it is plain beam sampling of width W. Memory mode (only the best beam of a
+round feeds the next round) is the paper's approximation and changes the law.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence, Union
+
+import torch
+
+Prefix = tuple[int, ...]
+Tensor = torch.Tensor
+
+
+# --------------------------------------------------------------------------------------------
+# Randomness
+# --------------------------------------------------------------------------------------------
+class RandomSource(Protocol):
+    """Every random choice DSBD makes; tests substitute an exhaustive enumerator."""
+
+    def bernoulli(self, prob: float) -> bool:
+        """True with probability ``prob`` in [0, 1]."""
+        ...
+
+    def categorical(self, probs: Tensor, num: int) -> list[int]:
+        """``num`` i.i.d. indices drawn from ``probs`` ((n,) float64, non-negative, sum 1)."""
+        ...
+
+
+class TorchRandom:
+    """A RandomSource over an explicit ``torch.Generator`` (CPU)."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def bernoulli(self, prob: float) -> bool:
+        u = torch.rand((), dtype=torch.float64, generator=self.generator).item()
+        return u < prob  # u in [0, 1): prob 1 always accepts, prob 0 never does
+
+    def categorical(self, probs: Tensor, num: int) -> list[int]:
+        if num == 0:
+            return []
+        return torch.multinomial(probs, num, replacement=True, generator=self.generator).tolist()
+
+
+Rng = Union[torch.Generator, RandomSource]
+
+
+def as_random(rng: Rng) -> RandomSource:
+    """Wrap a torch.Generator; pass a RandomSource through."""
+    return TorchRandom(rng) if isinstance(rng, torch.Generator) else rng
+
+
+# --------------------------------------------------------------------------------------------
+# Distributions over the joint (beam, token) space
+# --------------------------------------------------------------------------------------------
+def beam_joint(log_scores: Tensor, probs: Tensor) -> Tensor:
+    """Joint candidate distribution of a layer.
+
+    log_scores: (W,) float64 log S(b_i) (may hold -inf). probs: (W, V) float64 next-token
+    distributions at each beam. Returns (W * V,) float64 ``∝ S(b_i) probs[i, v]`` at index
+    ``i * V + v``, normalised; all zeros when no candidate has positive mass.
+    """
+    finite = torch.isfinite(log_scores)
+    if not bool(finite.any()):
+        return torch.zeros(probs.numel(), dtype=torch.float64)
+    weights = torch.exp(log_scores - log_scores[finite].max())  # (W,), -inf -> 0
+    joint = (weights[:, None] * probs).reshape(-1)  # (W * V,)
+    total = joint.sum()
+    return joint / total if total > 0 else joint
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """norm(max(p - q, 0)) over (n,) float64. When p <= q everywhere a rejection has
+    probability zero; ``p`` is returned so callers stay well defined."""
+    r = torch.clamp(p - q, min=0.0)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+def acceptance_alphas(p_beam: Tensor, q_beam: Tensor, m: int) -> Tensor:
+    """(m,) float64: alpha_j = sum_c min(p_j(c), q_beam(c)), the probability that a fresh draft
+    is accepted after j - 1 rejections since the last acceptance; p_1 = p_beam,
+    p_{j+1} = residual(p_j, q_beam)."""
+    alphas = torch.empty(m, dtype=torch.float64)
+    p_cur = p_beam
+    for j in range(m):
+        alphas[j] = torch.minimum(p_cur, q_beam).sum()
+        p_cur = residual(p_cur, q_beam)
+    return alphas
+
+
+def accepted_count_law(alphas: Tensor, m: int) -> Tensor:
+    """(m + 1,) float64: P(m, k), the probability that exactly k of m drafts are accepted
+    (testing all m, no early stop).
+
+    Recursion over the index i of the first acceptance (acceptance resets the state):
+    P(n, 0) = R_n and P(n, k) = sum_{i=1..n} R_{i-1} alpha_i P(n - i, k - 1), where
+    R_j = prod_{l <= j} (1 - alpha_l). ``alphas`` needs at least m entries.
+    """
+    a = alphas[:m].tolist()
+    run = [1.0]  # run[j] = R_j
+    for alpha in a:
+        run.append(run[-1] * (1.0 - alpha))
+    table = [[0.0] * (m + 1) for _ in range(m + 1)]  # table[n][k] = P(n, k)
+    for n in range(m + 1):
+        table[n][0] = run[n]
+        for k in range(1, n + 1):
+            table[n][k] = sum(run[i - 1] * a[i - 1] * table[n - i][k - 1] for i in range(1, n + 1))
+    return torch.tensor(table[m], dtype=torch.float64)
+
+
+def prob_at_least(alphas: Tensor, m: int) -> Tensor:
+    """(m + 1,) float64: entry K is P(at least K of m drafts accepted), K = 0..m."""
+    exact = accepted_count_law(alphas, m)
+    return torch.flip(torch.cumsum(torch.flip(exact, [0]), 0), [0])
+
+
+def dynamic_width(
+    p_beam: Tensor, q_beam: Tensor, draft_width: int, threshold: float, w_min: int, max_width: int
+) -> int:
+    """W_L = min(max_width, max(w_min, max{K : P(>= K accepted of draft_width) >= threshold}))
+    for the layer whose joint distributions are p_beam, q_beam ((n,) float64)."""
+    at_least = prob_at_least(acceptance_alphas(p_beam, q_beam, draft_width), draft_width)
+    best = max((k for k in range(1, draft_width + 1) if at_least[k] >= threshold), default=0)
+    return min(max_width, max(w_min, best))
+
+
+# --------------------------------------------------------------------------------------------
+# Verification of one layer
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DraftVerdict:
+    """accepted: positions into the drafted list, in acceptance order (at most ``width``).
+    p_cur: (n,) the distribution the next candidate would come from (p_beam after an
+    acceptance or when nothing was drafted, else the residual after the latest rejections)."""
+
+    accepted: list[int]
+    p_cur: Tensor
+
+
+@dataclass(frozen=True)
+class LayerVerdict:
+    """candidates: the ``width`` output candidates (flat indices): the accepted drafts in
+    acceptance order, then the extra draws. accepted: positions into the drafted list.
+    completed: whether ``width`` drafts were accepted (no extra draws)."""
+
+    candidates: list[int]
+    accepted: list[int]
+    completed: bool
+
+
+def verify_drafts(
+    p_beam: Tensor, q_beam: Tensor, drafted: Sequence[int], width: int, rng: Rng
+) -> DraftVerdict:
+    """Test the drafted candidates (flat indices, i.i.d. from q_beam, in draw order) one by one
+    with the reset rule until ``width`` are accepted. p_beam, q_beam: (n,) float64."""
+    source = as_random(rng)
+    accepted: list[int] = []
+    p_cur = p_beam
+    for pos, c in enumerate(drafted):
+        if len(accepted) == width:
+            break
+        q_c = float(q_beam[c])
+        if q_c <= 0.0:
+            raise ValueError(f"drafted candidate {c} has q_beam 0: drafts must come from q_beam")
+        if source.bernoulli(min(1.0, float(p_cur[c]) / q_c)):
+            accepted.append(pos)
+            p_cur = p_beam
+        else:
+            p_cur = residual(p_cur, q_beam)
+    return DraftVerdict(accepted, p_cur)
+
+
+def fill_layer(p_beam: Tensor, p_cur: Tensor, missing: int, rng: Rng) -> list[int]:
+    """The extra draws of an incomplete layer: one from p_cur, ``missing - 1`` from p_beam."""
+    if missing <= 0:
+        return []
+    source = as_random(rng)
+    return source.categorical(p_cur, 1) + source.categorical(p_beam, missing - 1)
+
+
+def verify_layer(
+    p_beam: Tensor, q_beam: Tensor, drafted: Sequence[int], width: int, rng: Rng
+) -> LayerVerdict:
+    """One verified layer: ``width`` candidates distributed as i.i.d. draws from p_beam.
+
+    p_beam, q_beam: (n,) float64 joint distributions; drafted: flat candidate indices drawn
+    i.i.d. from q_beam, in draw order (duplicates are separate entries).
+    """
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    verdict = verify_drafts(p_beam, q_beam, drafted, width, rng)
+    chosen = [drafted[pos] for pos in verdict.accepted]
+    extra = fill_layer(p_beam, verdict.p_cur, width - len(chosen), rng)
+    return LayerVerdict(chosen + extra, verdict.accepted, not extra)
+
+
+# --------------------------------------------------------------------------------------------
+# Beams over an abstract language model
+# --------------------------------------------------------------------------------------------
+class BeamLM(Protocol):
+    """A language model seen through its processed distributions (ALGORITHMS.md sec. 2)."""
+
+    def probs(self, prefixes: Sequence[Prefix]) -> Tensor:
+        """(len(prefixes), V) float64: p'(. | prefix) for each prefix (one forward pass)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Beams:
+    """seqs: W full token sequences (prompt included). log_p, log_q: (W,) float64 log-scores of
+    the generated tokens under the oracle and the draft (log_q unused by plain beam sampling)."""
+
+    seqs: list[Prefix]
+    log_p: Tensor
+    log_q: Tensor
+
+    @staticmethod
+    def start(prompt: Sequence[int]) -> "Beams":
+        zero = torch.zeros(1, dtype=torch.float64)
+        return Beams([tuple(prompt)], zero, zero.clone())
+
+    def select(self, slots: Sequence[int]) -> "Beams":
+        index = torch.tensor(list(slots), dtype=torch.long)
+        return Beams([self.seqs[i] for i in slots], self.log_p[index], self.log_q[index])
+
+    def best(self) -> int:
+        """Slot of the highest oracle score; ties go to the smallest token sequence."""
+        top = float(self.log_p.max())
+        return min((s for s in range(len(self.seqs)) if float(self.log_p[s]) == top),
+                   key=lambda s: self.seqs[s])
+
+
+def extend(beams: Beams, p_cond: Tensor, q_cond: Tensor, candidates: Sequence[int]) -> Beams:
+    """The next layer: one beam per candidate (flat index over ``beams``).
+    p_cond, q_cond: (W, V) oracle and draft distributions at ``beams``."""
+    vocab = p_cond.shape[1]
+    flat = torch.tensor(list(candidates), dtype=torch.long)
+    parent, token = flat // vocab, flat % vocab  # (W',), (W',)
+    seqs = [beams.seqs[i] + (v,) for i, v in zip(parent.tolist(), token.tolist())]
+    log_p = beams.log_p[parent] + torch.log(p_cond[parent, token])
+    log_q = beams.log_q[parent] + torch.log(q_cond[parent, token])
+    return Beams(seqs, log_p, log_q)
+
+
+WidthRule = Callable[[Sequence[Prefix], Tensor], int]
+
+
+@dataclass(frozen=True)
+class BeamResult:
+    """seqs: final beams (prompt included); log_scores: (W,) float64 oracle log-scores of the
+    generated tokens; best: the highest-scored beam (the output); stats: counters."""
+
+    seqs: list[Prefix]
+    log_scores: Tensor
+    best: Prefix
+    stats: dict = field(default_factory=dict)
+
+
+def beam_sample(
+    lm: BeamLM,
+    prompt: Sequence[int],
+    width: int,
+    steps: int,
+    rng: Rng,
+    width_rule: WidthRule | None = None,
+) -> BeamResult:
+    """Reference beam sampling: ``steps`` times draw ``width`` candidates i.i.d. from p_beam.
+    ``width_rule(seqs, p_beam)``, if given, picks each step's width from the current beams."""
+    _check_run(prompt, width, steps)
+    source = as_random(rng)
+    beams = Beams.start(prompt)
+    widths = []
+    for _ in range(steps):
+        cond = lm.probs(beams.seqs)  # (W, V)
+        p_beam = beam_joint(beams.log_p, cond)
+        w = width if width_rule is None else width_rule(beams.seqs, p_beam)
+        widths.append(w)
+        beams = extend(beams, cond, cond, source.categorical(p_beam, w))
+    best = beams.seqs[beams.best()]
+    return BeamResult(beams.seqs, beams.log_p, best, {"oracle_calls": steps, "widths": widths})
+
+
+def draft_log_scores(draft_lm: BeamLM, seqs: Sequence[Prefix], start: int) -> Tensor:
+    """(W,) float64: log S_q of the tokens of each sequence from index ``start`` on."""
+    out = torch.zeros(len(seqs), dtype=torch.float64)
+    for i, seq in enumerate(seqs):
+        if len(seq) > start:
+            cond = draft_lm.probs([seq[:t] for t in range(start, len(seq))])  # (T, V)
+            out[i] = torch.log(cond[torch.arange(cond.shape[0]), list(seq[start:])]).sum()
+    return out
+
+
+def dsbd_width_rule(
+    draft_lm: BeamLM, prompt_len: int, width: int, draft_width: int, threshold: float, w_min: int
+) -> WidthRule:
+    """DSBD's dynamic width as a function of a layer's beams, for ``beam_sample``: the law of
+    ``dsbd_generate(dynamic=True)`` equals beam sampling with this rule."""
+
+    def rule(seqs: Sequence[Prefix], p_beam: Tensor) -> int:
+        q_beam = beam_joint(draft_log_scores(draft_lm, seqs, prompt_len), draft_lm.probs(seqs))
+        return dynamic_width(p_beam, q_beam, draft_width, threshold, w_min, width)
+
+    return rule
+
+
+# --------------------------------------------------------------------------------------------
+# Drafting: the forest
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DraftLayer:
+    """One drafted layer, in draw order. parents: (W_S,) slot of each node's parent in the
+    previous layer (layer 0 = the round's input beams); tokens: (W_S,); nodes: the nodes as
+    Beams (sequences and draft log-scores; log_p is not known yet and holds zeros)."""
+
+    parents: list[int]
+    tokens: list[int]
+    nodes: Beams
+
+
+@dataclass(frozen=True)
+class Forest:
+    """q_cond[l]: (n_l, V) draft distributions at every node of layer l (layer 0 = inputs).
+    layers[l - 1]: drafted layer l. Fewer than gamma layers when q_beam lost all mass."""
+
+    q_cond: list[Tensor]
+    layers: list[DraftLayer]
+
+    def node_prefixes(self, inputs: Beams) -> list[Prefix]:
+        """Every node the oracle evaluates in the round's single pass: inputs, then each layer."""
+        return list(inputs.seqs) + [s for layer in self.layers for s in layer.nodes.seqs]
+
+
+def draft_forest(draft_lm: BeamLM, inputs: Beams, draft_width: int, gamma: int, rng: Rng) -> Forest:
+    """The draft's beam sampling (width ``draft_width``, ``gamma`` steps) from the input beams,
+    with the draft's own scores; one draft call per layer."""
+    source = as_random(rng)
+    current, q_conds, layers = inputs, [], []
+    for _ in range(gamma):
+        q_cond = draft_lm.probs(current.seqs)  # (n_l, V)
+        q_conds.append(q_cond)
+        q_beam = beam_joint(current.log_q, q_cond)
+        if not bool(q_beam.sum() > 0):
+            break
+        draws = source.categorical(q_beam, draft_width)
+        vocab = q_cond.shape[1]
+        nodes = extend(current, q_cond, q_cond, draws)
+        nodes = Beams(nodes.seqs, torch.zeros_like(nodes.log_q), nodes.log_q)
+        layers.append(DraftLayer([c // vocab for c in draws], [c % vocab for c in draws], nodes))
+        current = nodes
+    return Forest(q_conds, layers)
+
+
+# --------------------------------------------------------------------------------------------
+# One round and the generation loop
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DSBDConfig:
+    width: int = 8  # W: beams per layer (the cap when dynamic)
+    draft_width: int = 8  # W_S: beams of the draft's beam sampling per layer
+    gamma: int = 4  # drafted layers per round
+    threshold: float = 0.7  # t: P(>= W_L accepted of W_S) >= t picks W_L
+    w_min: int = 1  # smallest dynamic width
+    dynamic: bool = True  # False: every layer has exactly ``width`` beams
+    memory_mode: bool = False  # only the best beam of a round feeds the next round
+
+    def __post_init__(self) -> None:
+        for name in ("width", "draft_width", "gamma", "w_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.w_min > self.width:
+            raise ValueError(f"w_min must be <= width ({self.width}), got {self.w_min}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+
+    def layer_width(self, p_beam: Tensor, q_beam: Tensor) -> int:
+        if not self.dynamic:
+            return self.width
+        return dynamic_width(p_beam, q_beam, self.draft_width, self.threshold, self.w_min, self.width)
+
+
+def _kept_children(layer: DraftLayer, slots: Sequence[int], vocab: int) -> tuple[list[int], list[int]]:
+    """Drafts of ``layer`` whose parent slot survived, in draw order: (node ids in the layer,
+    flat candidates over the surviving slots). The others descend from rejected candidates."""
+    position = {slot: j for j, slot in enumerate(slots)}
+    kept, flat = [], []
+    for node, (parent, token) in enumerate(zip(layer.parents, layer.tokens)):
+        if parent in position:
+            kept.append(node)
+            flat.append(position[parent] * vocab + token)
+    return kept, flat
+
+
+def _record(stats: dict, width: int, drafted: int, accepted: int) -> None:
+    stats["widths"].append(width)
+    stats["drafted"].append(drafted)
+    stats["accepted"].append(accepted)
+
+
+def dsbd_round(
+    oracle: BeamLM, draft: BeamLM, inputs: Beams, layers_left: int, cfg: DSBDConfig,
+    source: RandomSource, stats: dict,
+) -> tuple[Beams, int]:
+    """One round: draft a forest, one oracle pass over it, verify layer by layer.
+    Returns the output beams and the number of layers (tokens per beam) they advanced.
+
+    Engine mapping: ``oracle.probs`` is the single forward pass over every forest node
+    (``Forest.node_prefixes``: inputs, then each drafted layer in draw order; a node that repeats
+    another's sequence may share its KV row). The last layer's nodes are evaluated too, for the
+    bonus layer drawn when every drafted layer passes."""
+    forest = draft_forest(draft, inputs, cfg.draft_width, min(cfg.gamma, layers_left), source)
+    stats["draft_calls"] += len(forest.q_cond)
+    p_all = oracle.probs(forest.node_prefixes(inputs))  # (n_nodes, V)
+    stats["oracle_calls"] += 1
+    stats["oracle_rows"] += p_all.shape[0]
+    sizes = [len(inputs.seqs)] + [len(layer.parents) for layer in forest.layers]
+    p_nodes = list(torch.split(p_all, sizes))  # p_nodes[l]: (n_l, V)
+    vocab = p_all.shape[1]
+
+    beams, slots = inputs, list(range(len(inputs.seqs)))
+    for depth in range(min(len(forest.layers) + 1, layers_left)):
+        index = torch.tensor(slots, dtype=torch.long)
+        p_cond = p_nodes[depth][index]  # (W, V)
+        if depth < len(forest.q_cond):
+            q_cond = forest.q_cond[depth][index]
+        else:  # the bonus layer: the draft catches up on the last drafted layer's survivors
+            q_cond = draft.probs(beams.seqs)
+            stats["draft_calls"] += 1
+        p_beam, q_beam = beam_joint(beams.log_p, p_cond), beam_joint(beams.log_q, q_cond)
+        width = cfg.layer_width(p_beam, q_beam)
+        kept: list[int] = []
+        drafted: list[int] = []
+        if depth < len(forest.layers):
+            kept, drafted = _kept_children(forest.layers[depth], slots, vocab)
+        verdict = verify_layer(p_beam, q_beam, drafted, width, source)
+        _record(stats, width, len(drafted), len(verdict.accepted))
+        beams = extend(beams, p_cond, q_cond, verdict.candidates)
+        if not verdict.completed:
+            return beams, depth + 1
+        slots = [kept[pos] for pos in verdict.accepted]
+    return beams, min(len(forest.layers) + 1, layers_left)
+
+
+def dsbd_generate(
+    oracle: BeamLM,
+    draft: BeamLM,
+    prompt: Sequence[int],
+    steps: int,
+    rng: Rng,
+    cfg: DSBDConfig = DSBDConfig(),
+) -> BeamResult:
+    """DSBD for ``steps`` tokens per beam. Returns the final beams, their oracle log-scores and
+    the best beam. stats: rounds, oracle_calls (one per round), oracle_rows (forest nodes the
+    oracle evaluated), draft_calls; per output layer (``steps`` entries) ``widths``, ``drafted``
+    (drafts whose parent survived, i.e. the candidates open to verification) and ``accepted``;
+    ``input_beams`` per round."""
+    _check_run(prompt, cfg.width, steps)
+    source = as_random(rng)
+    stats: dict = {"rounds": 0, "oracle_calls": 0, "oracle_rows": 0, "draft_calls": 0,
+                   "widths": [], "drafted": [], "accepted": [], "input_beams": []}
+    beams, done = Beams.start(prompt), 0
+    while done < steps:
+        if cfg.memory_mode:
+            beams = beams.select([beams.best()])
+        stats["rounds"] += 1
+        stats["input_beams"].append(len(beams.seqs))
+        beams, advanced = dsbd_round(oracle, draft, beams, steps - done, cfg, source, stats)
+        done += advanced
+    return BeamResult(beams.seqs, beams.log_p, beams.seqs[beams.best()], stats)
+
+
+def _check_run(prompt: Sequence[int], width: int, steps: int) -> None:
+    if len(prompt) == 0:
+        raise ValueError("prompt must hold at least one token")
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
