@@ -20,6 +20,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .sampling import NoiseTable, SamplingParams, choose, noise_key
+from .tree import Tree, walk
+
 try:
     from . import _cpu
 except ImportError:  # the C++ extension is not built: pure torch, same results up to rounding
@@ -46,6 +49,25 @@ class Backend:
 
     def commit(self, k: torch.Tensor, v: torch.Tensor, row: int, start: int, path: list[int]) -> None:
         raise NotImplementedError
+
+    def choose_one(self, logits: torch.Tensor, position: int, params: SamplingParams,
+                   noise: NoiseTable | None) -> int:
+        """The oracle's choice for the token at ``position`` from (V,) logits."""
+        return int(choose(logits[None], [position], params, noise)[0])
+
+    def verify(self, tree: Tree, logits: torch.Tensor, positions: list[int], params: SamplingParams,
+               noise: NoiseTable | None) -> tuple[list[int], list[int]]:
+        """ALGORITHMS.md sec. 4 over (N, V) oracle logits of ``tree`` (node i at positions[i]).
+
+        Returns the accepted path (root first) and the emitted tokens (path tokens, then bonus).
+        """
+        if params.greedy:
+            choices = logits.argmax(dim=-1).tolist()
+            return walk(tree, choices.__getitem__)
+
+        def choice_at(node: int) -> int:  # lazily: only the nodes the walk reaches
+            return int(choose(logits[node:node + 1], [positions[node] + 1], params, noise)[0])
+        return walk(tree, choice_at)
 
 
 def chain_mask(n: int, m: int, device) -> torch.Tensor:
@@ -135,20 +157,43 @@ class TritonBackend(Backend):
         self._kv = kv_kernels
         self._attn = attn_kernels
 
+        from kernels import verify as verify_kernels  # noqa: PLC0415
+
+        self._verify = verify_kernels
+
     def _starts(self, starts, device):
         return torch.tensor(starts, dtype=torch.int64, device=device)
 
     def append_qkv(self, qkv, k_cache, v_cache, starts, n_head):
-        return self._kv.kv_append(qkv.contiguous(), k_cache, v_cache, self._starts(starts, qkv.device))
+        return self._kv.kv_append(qkv.contiguous(), k_cache, v_cache, self._starts(starts, qkv.device),
+                                  max_start=max(starts))
 
     def attention(self, q, k_cache, v_cache, starts, n_uncommitted, tree_mask, scale):
-        b, _, n, _ = q.shape
-        if tree_mask is None:
-            tree_mask = chain_mask(n, n_uncommitted, q.device)
-        if tree_mask.dim() == 2:
+        b = q.shape[0]
+        if tree_mask is not None and tree_mask.dim() == 2:
             tree_mask = tree_mask.unsqueeze(0).expand(b, -1, -1)
-        return self._attn.tree_attention(q.contiguous(), k_cache, v_cache,
-                                         self._starts(starts, q.device), tree_mask.contiguous(), scale)
+        mask = tree_mask.contiguous() if tree_mask is not None else None
+        return self._attn.tree_attention(q.contiguous(), k_cache, v_cache, self._starts(starts, q.device),
+                                         mask, scale, n_uncommitted=n_uncommitted, max_prefix=max(starts))
+
+    def _keys(self, positions: list[int], params: SamplingParams, device) -> torch.Tensor | None:
+        if params.greedy:
+            return None
+        return torch.tensor([noise_key(params.seed, p) for p in positions], dtype=torch.int64, device=device)
+
+    def choose_one(self, logits, position, params, noise):
+        keys = self._keys([position], params, logits.device)
+        return int(self._verify.choice(logits[None].contiguous(), keys, params.temperature,
+                                       params.top_k, params.top_p)[0])
+
+    def verify(self, tree, logits, positions, params, noise):
+        dev = logits.device
+        packed = self._verify.verify_tree(
+            logits.contiguous(), torch.tensor(tree.tokens, dtype=torch.int64, device=dev),
+            torch.tensor(tree.parents, dtype=torch.int64, device=dev),
+            self._keys([p + 1 for p in positions], params, dev), params.temperature, params.top_k, params.top_p)
+        path, bonus = self._verify.unpack_verify(packed)
+        return path, [tree.tokens[n] for n in path[1:]] + [bonus]
 
     def commit(self, k, v, row, start, path):
         path_t = torch.tensor([path], dtype=torch.int64, device=k.device)  # (1, M)

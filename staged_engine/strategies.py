@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from .drafters import ModelDrafter
 from .runner import ModelRunner
-from .sampling import NoiseTable, SamplingParams, choose
-from .tree import walk
+from .sampling import NoiseTable, SamplingParams
 
 
 class Decoder:
@@ -54,7 +53,7 @@ class PlainDecoder(Decoder):
     def round(self, remaining: int) -> list[int]:
         position = self.oracle.length + 1  # where the chosen token will sit
         logits = self.oracle.step(self.root)
-        token = int(choose(logits[None], [position], self.params, self.noise)[0])
+        token = self.oracle.cache.backend.choose_one(logits, position, self.params, self.noise)
         self.root = token
         self.accepted_lengths.append(1)
         return [token]
@@ -97,13 +96,7 @@ class SpeculativeDecoder(Decoder):
         positions = [root_position + d for d in tree.depths]
         mask = None if tree.is_chain() else tree.ancestor_mask(oracle.device)
         logits = oracle.forward_nodes(tree.tokens, positions, mask)  # (N, V)
-        if self.params.greedy:
-            choices = logits.argmax(dim=-1).tolist()
-            choice_at = choices.__getitem__
-        else:
-            def choice_at(node: int) -> int:
-                return int(choose(logits[node:node + 1], [positions[node] + 1], self.params, self.noise)[0])
-        path, emitted = walk(tree, choice_at)
+        path, emitted = oracle.cache.backend.verify(tree, logits, positions, self.params, self.noise)
         oracle.commit(path)
         self.drafter.accept(state, [draft_nodes[n] for n in path], emitted)
         self.root = emitted[-1]
