@@ -1,0 +1,84 @@
+"""Shared benchmark plumbing: machine description, timing, JSON output."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+
+def machine() -> dict:
+    """What ran the benchmark: CPU model, cores, memory, versions."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    isa = "avx512" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
+    mem_gb = None
+    try:
+        mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    import torch
+
+    info = {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "memory_gib": mem_gb,
+            "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
+            "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def timed(fn, repeats: int, warmup: int = 1) -> tuple[list[float], object]:
+    """Run ``fn`` warmup + repeats times; return the repeat wall times (s) and the last result."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def save(result: dict, name: str) -> str:
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    return path
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

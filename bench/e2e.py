@@ -1,0 +1,267 @@
+"""End-to-end decoding speed: the engine's strategies against HuggingFace transformers.
+
+Systems, side by side in one run on the same weights, prompts, precision (fp32) and number of
+new tokens: HF `generate` (greedy, or top-k 50 at T = 1 with --mode sampled), HF assisted
+generation with the same draft, HF prompt-lookup decoding, and the engine's plain, chain, tree
+and staged strategies. Greedy outputs of every system are compared with the engine's plain
+output (a difference counts as a tie when the oracle's top-2 logits at the first divergence are
+within 1e-4). Per system: median tokens/s over prompts (after a warm-up), median speedup over HF
+generate and over our plain, tokens per oracle call, relative memory traffic, overhead share.
+
+    python bench/e2e.py                          # demo pair, both prompt sets, greedy + sampled
+    python bench/e2e.py --oracle DIR --draft DIR --ngram FILE --limit 20 --systems plain staged
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, progress, save  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT_SETS = {"stdlib": os.path.join(HERE, "prompts", "stdlib_val.jsonl"),
+               "humaneval": os.path.join(HERE, "prompts", "humaneval.jsonl")}
+ENGINE_SYSTEMS = ("plain", "chain", "tree", "staged")
+HF_SYSTEMS = ("hf", "hf_assisted", "hf_lookup")
+TIE = 1e-4
+
+
+def load_prompts(sets: list[str], limit: int | None) -> list[dict]:
+    """Prompts of the named sets (first ``limit`` of each).
+
+    Trailing newlines are stripped: a GPT-2 byte-level pre-tokenizer merges a newline with the
+    indentation after it, so a prompt ending in a bare newline ends on a token that training text
+    almost never ends a line with, and the demo models answer it with a run of newlines.
+    """
+    out = []
+    for name in sets:
+        path = PROMPT_SETS.get(name, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"prompt set {name!r}: {path} not found")
+        with open(path, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        out.extend({"set": os.path.basename(name), "id": r.get("task_id", str(i)),
+                    "prompt": r["prompt"].rstrip("\n")} for i, r in enumerate(rows[:limit]))
+    return out
+
+
+class HFRunner:
+    """HF transformers on the same checkpoints, fp32, greedy or sampled; never stops at EOS."""
+
+    def __init__(self, oracle_dir: str, draft_dir: str | None) -> None:
+        from transformers import GPT2LMHeadModel
+
+        self.model = GPT2LMHeadModel.from_pretrained(oracle_dir, torch_dtype=torch.float32).eval()
+        self.draft = (GPT2LMHeadModel.from_pretrained(draft_dir, torch_dtype=torch.float32).eval()
+                      if draft_dir else None)
+        for m in (self.model, self.draft):
+            if m is not None:
+                m.generation_config.eos_token_id = None
+                m.generation_config.pad_token_id = 0
+
+    def run(self, system: str, ids: list[int], new_tokens: int, sampled: bool, seed: int) -> list[int]:
+        x = torch.tensor([ids])
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+        if sampled:
+            torch.manual_seed(seed)
+            kw.update(do_sample=True, top_k=50, temperature=1.0)
+        else:
+            kw.update(do_sample=False)
+        if system == "hf_assisted":
+            kw["assistant_model"] = self.draft
+        elif system == "hf_lookup":
+            kw["prompt_lookup_num_tokens"] = 10
+        with torch.inference_mode():
+            return self.model.generate(x, **kw)[0, len(ids):].tolist()
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+def run(args) -> dict:
+    from staged_engine import Engine
+
+    if args.oracle:
+        eng = Engine.from_pretrained(args.oracle, draft=args.draft, ngram=args.ngram)
+        oracle_dir, draft_dir = args.oracle, args.draft
+    else:
+        eng = Engine.demo()
+        from staged_engine.engine import DEMO_DIR
+
+        oracle_dir, draft_dir = os.path.join(DEMO_DIR, "oracle"), os.path.join(DEMO_DIR, "draft")
+    if eng.tokenizer is None:
+        raise ValueError("the oracle checkpoint needs a tokenizer.json for text prompts")
+    prompts = load_prompts(args.prompt_sets, args.limit)
+    budget = eng.config.n_positions - args.new_tokens
+    encoded = [(p, eng.tokenizer.encode(p["prompt"]).ids) for p in prompts]
+    skipped = [p["id"] for p, ids in encoded if len(ids) > budget]
+    encoded = [(p, ids) for p, ids in encoded if len(ids) <= budget]
+    if skipped:
+        progress(f"skipping {len(skipped)} prompts longer than {budget} tokens: {skipped[:5]}")
+    hf = HFRunner(oracle_dir, draft_dir) if any(s in HF_SYSTEMS for s in args.systems) else None
+    options = json.loads(args.options) if args.options else {}
+    result = {"benchmark": "end-to-end decoding", "machine": machine(), "oracle": oracle_dir,
+              "draft": draft_dir, "oracle_params": eng.config.num_params,
+              "draft_params": eng.draft.config.num_params if eng.draft else None,
+              "new_tokens": args.new_tokens, "prompt_sets": args.prompt_sets, "n_prompts": len(encoded),
+              "skipped_prompts": skipped, "options": options, "modes": {}}
+    for mode in args.modes:
+        sampled = mode == "sampled"
+        per_system: dict[str, list[dict]] = {s: [] for s in args.systems}
+        # Warm-up: one short run of every system.
+        _, ids0 = encoded[0]
+        for s in args.systems:
+            _run_system(eng, hf, s, ids0, 16, sampled, 0, options)
+        t_start = time.perf_counter()
+        for i, (p, ids) in enumerate(encoded):
+            outs = {}
+            for s in args.systems:
+                t0 = time.perf_counter()
+                tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, sampled, i, options)
+                dt = time.perf_counter() - t0
+                outs[s] = tokens
+                per_system[s].append({"id": p["id"], "seconds": dt, "tokens_per_s": len(tokens) / dt, **stats})
+            if not sampled and "plain" in outs:
+                ref = outs["plain"]
+                for s, toks in outs.items():
+                    d = first_divergence(toks, ref)
+                    rec = per_system[s][-1]
+                    rec["identical"] = d is None and len(toks) == len(ref)
+                    if d is not None:
+                        logits = eng.logits(ids + ref[:d])[-1]
+                        top2 = torch.topk(logits, 2).values
+                        rec["divergence"] = {"at": d, "top2_gap": (top2[0] - top2[1]).item()}
+                        rec["tie"] = (top2[0] - top2[1]).item() < TIE
+            elapsed = time.perf_counter() - t_start
+            progress(f"[{mode}] {i + 1}/{len(encoded)} prompts, {elapsed:.0f}s elapsed, "
+                     f"ETA {elapsed / (i + 1) * (len(encoded) - i - 1):.0f}s")
+        result["modes"][mode] = _summarise(per_system, eng, args.systems)
+    return result
+
+
+def _run_system(eng, hf, system, ids, new_tokens, sampled, seed, options):
+    if system in HF_SYSTEMS:
+        return hf.run(system, ids, new_tokens, sampled, seed), {}
+    kw = dict(max_new_tokens=new_tokens, strategy=system, stop_at_eos=False)
+    if sampled:
+        kw.update(temperature=1.0, top_k=50, seed=seed)
+    res = eng.generate(ids, **kw, **options.get(system, {}))
+    s = res.stats
+    keep = ("oracle_calls", "draft_calls", "tokens_per_oracle_call", "relative_memory_traffic",
+            "overhead_share", "forward_seconds", "decode_seconds", "accepted_lengths")
+    return res.token_ids, {k: s[k] for k in keep if k in s}
+
+
+def _summarise(per_system: dict, eng, systems) -> dict:
+    out = {}
+    base_hf = per_system.get("hf")
+    base_plain = per_system.get("plain")
+    for s in systems:
+        runs = per_system[s]
+        row = {"median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+               "total_tokens_per_s": sum(r["tokens_per_s"] * r["seconds"] for r in runs)
+               / sum(r["seconds"] for r in runs)}
+        for name, base in (("hf", base_hf), ("plain", base_plain)):
+            if base is not None:
+                row[f"median_speedup_vs_{name}"] = statistics.median(
+                    r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base))
+        if "oracle_calls" in runs[0]:
+            calls = sum(r["oracle_calls"] for r in runs)
+            toks = sum(r["tokens_per_oracle_call"] * r["oracle_calls"] for r in runs)
+            row.update(tokens_per_oracle_call=toks / calls,
+                       draft_calls_per_round=sum(r["draft_calls"] for r in runs) / calls,
+                       relative_memory_traffic=statistics.median(r["relative_memory_traffic"] for r in runs),
+                       overhead_share=statistics.median(r["overhead_share"] for r in runs))
+            hist: dict[int, int] = {}
+            for r in runs:
+                for a in r["accepted_lengths"]:
+                    hist[a] = hist.get(a, 0) + 1
+            row["accepted_length_histogram"] = dict(sorted(hist.items()))
+        if "identical" in runs[0]:
+            row["identical"] = sum(r["identical"] for r in runs)
+            row["ties"] = sum(bool(r.get("tie")) for r in runs)
+            row["mismatches"] = [{"id": r["id"], **r["divergence"]} for r in runs
+                                 if not r["identical"] and not r.get("tie")]
+        row["runs"] = [{k: v for k, v in r.items() if k != "accepted_lengths"} for r in runs]
+        out[s] = row
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = []
+    m = result["machine"]
+    for mode, rows in result["modes"].items():
+        lines.append(f"**{mode}** ({result['n_prompts']} prompts x {result['new_tokens']} new tokens; "
+                     f"{m['cpu']}, {m['cores']} cores, torch {m['torch']})\n")
+        lines.append("| system | tok/s (median) | vs HF generate | vs our plain | tokens/oracle call "
+                     "| rel. memory traffic | overhead share | greedy output = plain |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for s, r in rows.items():
+            ident = (f"{r['identical']}/{result['n_prompts']}" + (f" ({r['ties']} ties)" if r.get("ties") else "")
+                     if "identical" in r else "n/a (sampled)")
+            lines.append(
+                f"| {s} | {r['median_tokens_per_s']:.1f} | {_fmt(r.get('median_speedup_vs_hf'))} | "
+                f"{_fmt(r.get('median_speedup_vs_plain'))} | {_num(r.get('tokens_per_oracle_call'))} | "
+                f"{_num(r.get('relative_memory_traffic'))} | {_pct(r.get('overhead_share'))} | {ident} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt(x):
+    return "" if x is None else f"{x:.2f}x"
+
+
+def _num(x):
+    return "" if x is None else f"{x:.2f}"
+
+
+def _pct(x):
+    return "" if x is None else f"{100 * x:.0f}%"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--oracle", help="oracle checkpoint directory (default: the demo pair)")
+    ap.add_argument("--draft", help="draft checkpoint directory")
+    ap.add_argument("--ngram", help="n-gram table for the staged strategy")
+    ap.add_argument("--prompt-sets", nargs="+", default=["stdlib", "humaneval"],
+                    help="stdlib, humaneval, or paths to JSONL files with a 'prompt' field")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--modes", nargs="+", choices=("greedy", "sampled"), default=["greedy", "sampled"])
+    ap.add_argument("--systems", nargs="+", choices=HF_SYSTEMS + ENGINE_SYSTEMS,
+                    default=list(HF_SYSTEMS + ENGINE_SYSTEMS))
+    ap.add_argument("--options", help='JSON per-strategy options, e.g. {"staged": {"budget": 12}}')
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default="e2e.json", help="file name under bench/results/")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if "plain" not in args.systems:
+        args.systems = ["plain"] + args.systems  # the reference for identity and speedups
+    result = run(args)
+    md = markdown(result)
+    result["markdown"] = md
+    path = save(result, args.out)
+    print(md)
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Regenerate README.md's results section from the JSON files in bench/results/.
+
+    python bench/report.py            # rewrites the block between the results markers
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+README = os.path.join(os.path.dirname(HERE), "README.md")
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def _load(name: str) -> dict | None:
+    path = os.path.join(RESULTS, name)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _machine(m: dict) -> str:
+    return f"{m['cpu']}, {m['cores']} cores ({m.get('isa', '')}), torch {m['torch']}, {m['torch_threads']} threads"
+
+
+def section_e2e(r: dict) -> list[str]:
+    out = [f"### End to end on the demo pair (`staged-engine bench e2e`)\n",
+           f"Oracle {r['oracle_params'] / 1e6:.1f}M parameters, draft {r['draft_params'] / 1e6:.2f}M; "
+           f"{r['n_prompts']} prompts ({' + '.join(r['prompt_sets'])}), {r['new_tokens']} new tokens, fp32; "
+           f"{_machine(r['machine'])}. Medians over prompts after a warm-up; speedups are medians of "
+           f"per-prompt ratios measured in the same run. Source: `bench/results/e2e.json`.\n"]
+    out.append(r["markdown"])
+    return out
+
+
+def section_plain_vs_hf(r: dict) -> list[str]:
+    out = ["### Plain decoding against HF `generate` (`staged-engine bench plain-vs-hf`)\n",
+           f"Random weights, greedy, fp32, 128 new tokens; {_machine(r['machine'])}. "
+           "Source: `bench/results/plain_vs_hf.json`.\n",
+           "| shape | params | HF generate tok/s | staged-engine plain tok/s | speedup | outputs identical |",
+           "|---|---|---|---|---|---|"]
+    for x in r["results"]:
+        out.append(f"| GPT-2 {x['shape']} | {x['params'] / 1e6:.0f}M | {x['hf_tokens_per_s']:.1f} | "
+                   f"{x['ours_tokens_per_s']:.1f} | {x['speedup']:.2f}x | {x['all_identical']} |")
+    out.append("")
+    return out
+
+
+def section_forward_cost(r: dict) -> list[str]:
+    names = list(r["curves"])
+    out = ["### Oracle forward cost against tree nodes (`staged-engine bench forward-cost`)\n",
+           f"Demo oracle, prefix {r['prefix']} tokens; {_machine(r['machine'])}. Time of one pass over N tree "
+           "nodes relative to a 1-node pass. Source: `bench/results/forward_cost.json`.\n",
+           "| nodes | " + " | ".join(f"{n}: ms | {n}: x 1-node" for n in names) + " |",
+           "|---|" + "---|---|" * len(names)]
+    for n in r["curves"][names[0]]:
+        out.append(f"| {n} | " + " | ".join(
+            f"{r['curves'][b][n]['seconds'] * 1e3:.2f} | {r['curves'][b][n]['relative_to_1']:.2f}" for b in names) + " |")
+    out.append("")
+    return out
+
+
+def section_generic(title: str, r: dict, source: str) -> list[str]:
+    if "markdown" in r:
+        return [f"### {title}\n", f"{_machine(r['machine'])}. Source: `bench/results/{source}`.\n", r["markdown"], ""]
+    return []
+
+
+def render() -> str:
+    parts: list[str] = []
+    for name, fn in (("e2e.json", section_e2e), ("plain_vs_hf.json", section_plain_vs_hf),
+                     ("forward_cost.json", section_forward_cost)):
+        r = _load(name)
+        if r:
+            parts += fn(r)
+    for name, title in (("dsbd.json", "DSBD against beam sampling (`staged-engine bench dsbd`)"),
+                        ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
+                        ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
+        r = _load(name)
+        if r:
+            parts += section_generic(title, r, name)
+    return "\n".join(parts) if parts else "No benchmark results yet."
+
+
+def main() -> int:
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        print(f"{README} lacks the {BEGIN} / {END} markers", file=sys.stderr)
+        return 1
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(README, "w", encoding="utf-8") as f:
+        f.write(head + BEGIN + "\n" + render() + "\n" + END + tail)
+    print(f"updated {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Sweep the speculative knobs on the demo pair; the engine's defaults come from this table.
+
+For each strategy and shape: median tokens/s over a prompt subset (greedy, and top-k 50 at T = 1
+with --sampled), tokens per oracle call, draft passes per round, and speedup over plain decoding
+measured in the same run. Writes bench/results/sweep.json and prints the best shape per strategy.
+
+    python bench/sweep.py [--limit 12] [--new-tokens 128] [--sampled]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, progress, save  # noqa: E402
+from e2e import load_prompts  # noqa: E402
+
+
+def grid() -> list[tuple[str, dict]]:
+    shapes = [("chain", {"chain_length": k}) for k in (2, 3, 4, 6)]
+    for budget, depth, expand in itertools.product((6, 8, 12, 16, 24), (4, 6, 8), (2, 4)):
+        if depth < budget:
+            shapes.append(("tree", dict(budget=budget, max_depth=depth, children=4, expand=expand)))
+    for budget, depth in itertools.product((8, 12, 16), (6, 8)):
+        for widths in ((12, 7, 4, 1, 1, 1), (6, 3, 1, 1, 1), (4, 2, 1, 1)):
+            shapes.append(("staged", dict(budget=budget, max_depth=depth, children=4, expand=4,
+                                          ngram_widths=widths)))
+    return shapes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--limit", type=int, default=8, help="prompts per set")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--sampled", action="store_true", help="top-k 50, T = 1 instead of greedy")
+    ap.add_argument("--strategies", nargs="+", default=["chain", "tree", "staged"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from staged_engine import Engine
+
+    eng = Engine.demo()
+    prompts = [eng.tokenizer.encode(p["prompt"]).ids for p in load_prompts(["stdlib", "humaneval"], args.limit)]
+    prompts = [p for p in prompts if len(p) + args.new_tokens <= eng.config.n_positions]
+    kw = dict(max_new_tokens=args.new_tokens, stop_at_eos=False)
+    if args.sampled:
+        kw.update(temperature=1.0, top_k=50)
+    eng.generate(prompts[0], strategy="plain", **{**kw, "max_new_tokens": 16}, seed=0)
+    plain = [eng.generate(p, strategy="plain", seed=i, **kw) for i, p in enumerate(prompts)]
+    plain_tps = [r.stats["tokens_per_second"] for r in plain]
+    rows = []
+    shapes = [s for s in grid() if s[0] in args.strategies]
+    t0 = time.perf_counter()
+    for n, (strategy, opts) in enumerate(shapes):
+        res = [eng.generate(p, strategy=strategy, seed=i, **kw, **opts) for i, p in enumerate(prompts)]
+        assert all(r.token_ids == q.token_ids for r, q in zip(res, plain)), (strategy, opts)
+        tps = [r.stats["tokens_per_second"] for r in res]
+        calls = sum(r.stats["oracle_calls"] for r in res)
+        rows.append({"strategy": strategy, "options": opts, "median_tokens_per_s": statistics.median(tps),
+                     "median_speedup_vs_plain": statistics.median(a / b for a, b in zip(tps, plain_tps)),
+                     "tokens_per_oracle_call": sum(r.stats["new_tokens"] for r in res) / calls,
+                     "draft_calls_per_round": sum(r.stats["draft_calls"] for r in res) / calls,
+                     "overhead_share": statistics.median(r.stats["overhead_share"] for r in res)})
+        el = time.perf_counter() - t0
+        progress(f"{n + 1}/{len(shapes)} {strategy} {opts}: {rows[-1]['median_speedup_vs_plain']:.2f}x "
+                 f"({el:.0f}s, ETA {el / (n + 1) * (len(shapes) - n - 1):.0f}s)")
+    best = {s: max((r for r in rows if r["strategy"] == s), key=lambda r: r["median_speedup_vs_plain"])
+            for s in args.strategies}
+    mode = "sampled" if args.sampled else "greedy"
+    out = {"benchmark": f"speculation knob sweep ({mode})", "machine": machine(), "mode": mode,
+           "n_prompts": len(prompts), "new_tokens": args.new_tokens,
+           "plain_median_tokens_per_s": statistics.median(plain_tps), "rows": rows, "best": best}
+    path = save(out, args.out or f"sweep_{mode}.json")
+    print(f"plain: {statistics.median(plain_tps):.1f} tok/s ({len(prompts)} prompts, {mode})")
+    for s, r in best.items():
+        print(f"best {s}: {json.dumps(r['options'])} -> {r['median_tokens_per_s']:.1f} tok/s, "
+              f"{r['median_speedup_vs_plain']:.2f}x plain, {r['tokens_per_oracle_call']:.2f} tokens/call")
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""``staged-engine bench NAME [args]``: run a benchmark script from the checkout's bench/."""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+BENCHES = {
+    "e2e": "e2e.py",  # the engine's strategies against HF generate / assisted / prompt lookup
+    "plain-vs-hf": "plain_vs_hf.py",  # plain decoding vs HF generate on GPT-2 small/large shapes
+    "kernels": "kernels.py",  # Triton kernel microbenchmarks (torch references on CPU)
+    "ngram": "ngram.py",  # n-gram build throughput and query latency
+    "forward-cost": "forward_cost.py",  # oracle forward time against tree nodes
+    "sweep": "sweep.py",  # tree-shape sweep behind the default knobs
+    "dsbd": "dsbd.py",  # DSBD against beam sampling
+}
+
+
+def bench_dir() -> str:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(here, "bench")
+
+
+def _run(args: argparse.Namespace) -> int:
+    script = os.path.join(bench_dir(), BENCHES[args.name])
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"{script} not found: benchmarks run from a source checkout "
+                                "(pip install --no-build-isolation -e .)")
+    sys.argv = [script] + args.rest
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="run a benchmark (results go to bench/results/)",
+        description="Run one of the benchmarks in bench/; pass its own options after the name "
+                    "(`staged-engine bench e2e --help`). Without a name: the end-to-end comparison.")
+    p.add_argument("name", nargs="?", default="e2e", choices=sorted(BENCHES), help="which benchmark (default e2e)")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    p.set_defaults(func=_run)
