@@ -36,6 +36,7 @@ def machine() -> dict:
     import torch
 
     info = {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "memory_gib": mem_gb,
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
             "torch": torch.__version__, "platform": platform.platform()}
     try:

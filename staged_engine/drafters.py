@@ -61,7 +61,8 @@ class NGramDrafter:
 
     def observe(self, tokens: list[int], context: list[int]) -> None:
         if self.learn:
-            self.ngram.update(context[-(self.ngram.order - 1):] + tokens if self.ngram.order > 1 else tokens)
+            keep = self.ngram.order - 1
+            self.ngram.update(tokens, context=context[-keep:] if keep else ())
 
     @property
     def forward_seconds(self) -> float:

@@ -1,0 +1,125 @@
+"""Chain, tree and staged speculation return plain decoding's exact tokens (ALGORITHMS.md sec. 3,
+4, 7, 10), greedy and seeded sampling alike, and leave the oracle cache bit-identical."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from staged_engine import Engine, NGramModel
+from staged_engine.backend import TorchBackend, _cpu
+
+VOCAB = 997
+SHAPES = [
+    ("chain", {}),
+    ("chain", dict(chain_length=1)),
+    ("chain", dict(chain_length=7)),
+    ("tree", {}),
+    ("tree", dict(budget=5, max_depth=2, children=2, expand=1)),
+    ("tree", dict(budget=40, max_depth=10, children=3, expand=8)),
+    ("staged", {}),
+    ("staged", dict(budget=24, max_depth=6, ngram_widths=(5, 3, 1, 1))),
+]
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    oracle, draft = pair
+    eng = Engine.from_pretrained(oracle, draft=draft)
+    # An n-gram model of text the oracle itself writes, so the staged stage has real hits.
+    corpus = [eng.generate(p, max_new_tokens=60, strategy="plain").token_ids for p in _prompts(12, 99)]
+    eng.ngram = NGramModel.build(corpus, order=3, vocab_size=VOCAB)
+    return eng
+
+
+@pytest.mark.parametrize("strategy,opts", SHAPES)
+def test_greedy_identity(engine, strategy, opts):
+    calls = 0
+    for prompt in _prompts(6, 1):
+        ref = engine.generate(prompt, max_new_tokens=48, strategy="plain")
+        res = engine.generate(prompt, max_new_tokens=48, strategy=strategy, **opts)
+        assert res.token_ids == ref.token_ids
+        assert res.stats["new_tokens"] == 48
+        calls += res.stats["oracle_calls"]
+    assert calls < 6 * 48  # speculation accepted something
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 50, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.9)])
+@pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[3], SHAPES[5], SHAPES[6]])
+def test_drafter_invariance(engine, strategy, opts, temperature, top_k, top_p):
+    for seed, prompt in enumerate(_prompts(4, 2)):
+        kw = dict(max_new_tokens=40, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        ref = engine.generate(prompt, strategy="plain", **kw)
+        assert engine.generate(prompt, strategy=strategy, **opts, **kw).token_ids == ref.token_ids
+
+
+def test_three_model_cascade(pair, tmp_path):
+    from ckpt_util import perturbed_copy
+
+    oracle, draft = pair
+    draft2 = perturbed_copy(draft, str(tmp_path / "draft2"), 0.1, seed=3)
+    eng = Engine.from_pretrained(oracle, draft=draft, draft2=draft2)
+    eng.ngram = NGramModel.build(_prompts(20, 5), order=3, vocab_size=VOCAB)
+    for T in (0.0, 1.0):
+        for prompt in _prompts(3, 3):
+            ref = eng.generate(prompt, max_new_tokens=40, strategy="plain", temperature=T, seed=4)
+            res = eng.generate(prompt, max_new_tokens=40, strategy="staged", temperature=T, seed=4)
+            assert res.token_ids == ref.token_ids
+    assert res.stats["draft_calls"] > 0
+
+
+def _oracle_cache(eng: Engine):
+    cache = eng._runners["oracle"].cache
+    n = cache.lengths[0]
+    return cache.k[:, 0, :, :n].clone(), cache.v[:, 0, :, :n].clone()
+
+
+@pytest.mark.skipif(_cpu is None, reason="bit-exactness needs the native CPU kernels")
+@pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[5], SHAPES[6]])
+def test_cache_bit_identical_to_plain(engine, strategy, opts):
+    assert engine.backend.native
+    for prompt in _prompts(3, 4):
+        engine.generate(prompt, max_new_tokens=40, strategy="plain")
+        k_ref, v_ref = _oracle_cache(engine)
+        engine.generate(prompt, max_new_tokens=40, strategy=strategy, **opts)
+        k, v = _oracle_cache(engine)
+        n = min(k.shape[2], k_ref.shape[2])
+        assert n >= len(prompt) + 38
+        assert torch.equal(k[:, :, :n], k_ref[:, :, :n])
+        assert torch.equal(v[:, :, :n], v_ref[:, :, :n])
+
+
+def test_stock_torch_path_is_also_exact(pair):
+    oracle, draft = pair
+    eng = Engine.from_pretrained(oracle, draft=draft)
+    eng.backend = TorchBackend(native=False)
+    eng._runners.clear()
+    for prompt in _prompts(3, 6):
+        ref = eng.generate(prompt, max_new_tokens=40, strategy="plain")
+        assert eng.generate(prompt, max_new_tokens=40, strategy="tree").token_ids == ref.token_ids
+
+
+def test_stats_are_consistent(engine):
+    res = engine.generate([1, 2, 3], max_new_tokens=50, strategy="tree")
+    s = res.stats
+    assert s["new_tokens"] == 50 == len(res.token_ids)
+    assert sum(s["accepted_lengths"]) >= 50
+    assert s["tokens_per_oracle_call"] == pytest.approx(50 / s["oracle_calls"])
+    assert 0 < s["relative_memory_traffic"]
+    assert 0 <= s["overhead_share"] < 1
+
+
+def test_speculative_option_errors(engine):
+    for kwargs, needle in [(dict(strategy="chain", budget=3), "chain_length"),
+                           (dict(strategy="tree", chain_length=3), "chain_length"),
+                           (dict(strategy="tree", budget=0), "budget"),
+                           (dict(strategy="tree", ngram_widths=(3,)), "staged"),
+                           (dict(strategy="staged", ngram_widths=(3, 0)), "ngram_widths"),
+                           (dict(strategy="tree", bogus=1), "bogus")]:
+        with pytest.raises(ValueError, match=needle):
+            engine.generate([1, 2], max_new_tokens=4, **kwargs)
