@@ -15,14 +15,15 @@ from .model import GPT2
 from .runner import ModelRunner
 from .sampling import NoiseTable, SamplingParams
 from .drafters import ModelDrafter, NGramDrafter, TreeShape
+from .dsbd import make_beam_decoder
 from .strategies import Decoder, PlainDecoder, SpeculativeDecoder
 
 STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
 # Defaults of the speculative knobs; bench/results/sweep_*.json holds the measurements behind them.
 DEFAULT_SHAPES = {
     "chain": TreeShape(budget=5, max_depth=4, children=1, expand=1),
-    "tree": TreeShape(budget=16, max_depth=8, children=4, expand=4),
-    "staged": TreeShape(budget=16, max_depth=8, children=4, expand=4),
+    "tree": TreeShape(budget=12, max_depth=8, children=4, expand=4),
+    "staged": TreeShape(budget=12, max_depth=8, children=4, expand=4),
 }
 DEFAULT_NGRAM_WIDTHS = (12, 7, 4, 1, 1, 1)
 SPEC_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length", "ngram_widths", "ngram_learn")
@@ -118,14 +119,22 @@ class Engine:
         return cls(oracle_model, draft_model, tokenizer, be, ngram_model, draft2_model)
 
     @classmethod
-    def demo(cls, device: str | torch.device = "cpu", backend: str = "auto") -> "Engine":
-        """The embedded default pair shipped inside the package (nothing is downloaded)."""
+    def demo(cls, device: str | torch.device = "cpu", backend: str = "auto", ngram: bool = True) -> "Engine":
+        """The embedded default pair shipped inside the package (nothing is downloaded).
+
+        With ``ngram`` the staged n-gram stage is loaded from the local cache, or built from the
+        stdlib training split on first use (tens of seconds, once).
+        """
         oracle_dir = os.path.join(DEMO_DIR, "oracle")
         if not os.path.isfile(os.path.join(oracle_dir, "model.safetensors")):
             raise FileNotFoundError(f"the demo models are not in this build: {oracle_dir}")
         draft_dir = os.path.join(DEMO_DIR, "draft")
-        draft = draft_dir if os.path.isdir(draft_dir) else None
-        return cls.from_pretrained(oracle_dir, draft=draft, device=device, backend=backend)
+        eng = cls.from_pretrained(oracle_dir, draft=draft_dir, device=device, backend=backend)
+        if ngram:
+            from .demo import demo_ngram
+
+            eng.ngram = demo_ngram(os.path.join(oracle_dir, "tokenizer.json"))
+        return eng
 
     # ---------------------------------------------------------------- inputs
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
@@ -172,7 +181,7 @@ class Engine:
         return runner
 
     def _decoder(self, strategy: str, params: SamplingParams, noise: NoiseTable | None,
-                 options: dict) -> Decoder:
+                 options: dict, num_beams: int = 1) -> Decoder:
         oracle = self._runner("oracle", self.oracle)
         if strategy == "plain":
             if options:
@@ -181,7 +190,7 @@ class Engine:
         if strategy in ("chain", "tree", "staged"):
             return SpeculativeDecoder(oracle, params, noise,
                                       self._drafter(strategy, params, noise, options), strategy)
-        raise ValueError(f"strategy {strategy!r} is not available yet in this build")
+        return make_beam_decoder(self, strategy, params, num_beams, options)
 
     def _drafter(self, strategy: str, params: SamplingParams, noise: NoiseTable | None,
                  options: dict) -> ModelDrafter:
@@ -234,7 +243,7 @@ class Engine:
         params = SamplingParams(temperature, top_k, top_p, seed)
         ids = self.encode(prompt)
         noise = None if params.greedy else NoiseTable(params.seed, self.config.vocab_size, self.device)
-        decoder = self._decoder(strategy, params, noise, dict(options))
+        decoder = self._decoder(strategy, params, noise, dict(options), num_beams)
         n_ctx = self.config.n_positions
         t0 = time.perf_counter()
         produced = 0
@@ -272,6 +281,7 @@ class Engine:
             overhead_share=max(0.0, 1.0 - forward / seconds) if seconds > 0 else 0.0,
             accepted_lengths=list(decoder.accepted_lengths),
         )
+        stats.update(getattr(decoder, "extra_stats", dict)())
         oracle_bytes = self.config.weight_bytes_fp32 * oracle.model.wte.weight.element_size() // 4
         if produced:
             stats["relative_memory_traffic"] = (
