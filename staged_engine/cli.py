@@ -28,6 +28,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--expand", type=int, help="nodes the draft evaluates per pass")
     s.add_argument("--chain-length", type=int, help="draft tokens per round for --strategy chain")
     s.add_argument("--ngram-widths", type=str, help="n-gram mini-tree widths, e.g. 12,7,4,1,1,1")
+    d = p.add_argument_group("beam / DSBD knobs (defaults: the DSBD paper's)")
+    d.add_argument("--gamma", type=int, help="DSBD: draft layers per round (default 4)")
+    d.add_argument("--draft-width", type=int, help="DSBD: draft beams W_S (default 8)")
+    d.add_argument("--threshold", type=float, help="DSBD: dynamic-width threshold t (default 0.7)")
+    d.add_argument("--w-min", type=int, help="DSBD: smallest dynamic width (default 1)")
+    d.add_argument("--no-dynamic", action="store_true", help="DSBD: keep the width fixed at --num-beams")
+    d.add_argument("--memory-mode", action="store_true", help="DSBD: one KV cache row (best beam continues)")
+    d.add_argument("--layout", choices=("tree", "rows"), help="beam/DSBD cache layout (default tree)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -54,10 +62,15 @@ def _load_engine(args):
 
 def _options(args) -> dict:
     opts = {}
-    for name in ("budget", "max_depth", "children", "expand", "chain_length"):
+    for name in ("budget", "max_depth", "children", "expand", "chain_length", "gamma", "draft_width",
+                 "threshold", "w_min", "layout"):
         v = getattr(args, name, None)
         if v is not None:
             opts[name] = v
+    if getattr(args, "no_dynamic", False):
+        opts["dynamic"] = False
+    if getattr(args, "memory_mode", False):
+        opts["memory_mode"] = True
     if getattr(args, "ngram_widths", None):
         try:
             opts["ngram_widths"] = tuple(int(x) for x in args.ngram_widths.split(","))
