@@ -104,6 +104,21 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _top(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of z (..., V), descending, ties by smaller token id.
+
+    torch.topk is far cheaper than a full sort but orders ties arbitrarily, so when any of the
+    k + 1 largest values tie, the stable sort decides (exact float ties are rare).
+    """
+    vocab = z.shape[-1]
+    if k < vocab:
+        vals, idx = torch.topk(z, k + 1, dim=-1)
+        if not (vals[..., 1:] == vals[..., :-1]).any():
+            return vals[..., :k], idx[..., :k]
+    vals, idx = torch.sort(z, dim=-1, descending=True, stable=True)
+    return vals[..., :k], idx[..., :k]
+
+
 def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """log p' for ``logits`` (..., V): softmax(z / T), then top-k, then top-p, renormalised.
 
@@ -118,9 +133,7 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     k = params.top_k if 0 < params.top_k < vocab else vocab
     if k == vocab and params.top_p >= 1.0:
         return torch.log_softmax(z, dim=-1)
-    # Stable descending order: ties go to the smaller token id.
-    vals, idx = torch.sort(z, dim=-1, descending=True, stable=True)
-    vals, idx = vals[..., :k], idx[..., :k]
+    vals, idx = _top(z, k)
     logp = torch.log_softmax(vals, dim=-1)
     if params.top_p < 1.0:
         mass_before = torch.cumsum(logp.exp(), dim=-1) - logp.exp()

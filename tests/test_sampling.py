@@ -109,3 +109,12 @@ def test_same_seed_same_tokens(checkpoints):
     a = eng.generate([1, 2, 3], seed=42, **kw).token_ids
     assert a == eng.generate([1, 2, 3], seed=42, **kw).token_ids
     assert a != eng.generate([1, 2, 3], seed=43, **kw).token_ids
+
+
+def test_top_k_ties_go_to_smallest_ids():
+    from staged_engine.sampling import processed_logprobs
+
+    z = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0], [0.0, 5.0, 4.0, 3.0, 2.0]])
+    logp = processed_logprobs(z, SamplingParams(1.0, 2))
+    assert torch.isfinite(logp[0]).tolist() == [False, True, True, False, False]
+    assert torch.isfinite(logp[1]).tolist() == [False, True, True, False, False]
