@@ -36,6 +36,10 @@ from pathlib import Path
 from typing import Callable
 
 _ROOT = Path(__file__).resolve().parent.parent
+_HERE = Path(__file__).resolve().parent
+# Run as a script, this file's folder comes first on sys.path and this module would shadow the
+# `kernels` package; drop that entry and make sure the checkout root is there instead.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 if str(_ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(_ROOT))
 

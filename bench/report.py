@@ -26,12 +26,13 @@ def _machine(m: dict) -> str:
     return f"{m['cpu']}, {m['cores']} cores ({m.get('isa', '')}), torch {m['torch']}, {m['torch_threads']} threads"
 
 
-def section_e2e(r: dict) -> list[str]:
-    out = [f"### End to end on the demo pair (`staged-engine bench e2e`)\n",
+def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engine bench e2e`)",
+                source: str = "e2e.json") -> list[str]:
+    out = [f"### {title}\n",
            f"Oracle {r['oracle_params'] / 1e6:.1f}M parameters, draft {r['draft_params'] / 1e6:.2f}M; "
            f"{r['n_prompts']} prompts ({' + '.join(r['prompt_sets'])}), {r['new_tokens']} new tokens, fp32; "
            f"{_machine(r['machine'])}. Medians over prompts after a warm-up; speedups are medians of "
-           f"per-prompt ratios measured in the same run. Source: `bench/results/e2e.json`.\n"]
+           f"per-prompt ratios measured in the same run. Source: `bench/results/{source}`.\n"]
     out.append(r["markdown"])
     return out
 
@@ -71,8 +72,20 @@ def section_generic(title: str, r: dict, source: str) -> list[str]:
 
 def render() -> str:
     parts: list[str] = []
-    for name, fn in (("e2e.json", section_e2e), ("plain_vs_hf.json", section_plain_vs_hf),
-                     ("forward_cost.json", section_forward_cost)):
+    r = _load("e2e.json")
+    if r:
+        title = "End to end on the demo pair (`staged-engine bench e2e`)"
+        if _load("e2e_sampled.json"):
+            title += "; its sampled half predates the top-k fix, the next table supersedes it"
+        parts += section_e2e(r, title)
+    r = _load("e2e_sampled.json")
+    if r:
+        parts += section_e2e(r, "Sampled (top-k 50, T = 1), after the top-k fix", "e2e_sampled.json")
+    r = _load("e2e_identity_all_prompts.json")
+    if r:
+        parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, greedy",
+                             "e2e_identity_all_prompts.json")
+    for name, fn in (("plain_vs_hf.json", section_plain_vs_hf), ("forward_cost.json", section_forward_cost)):
         r = _load(name)
         if r:
             parts += fn(r)
