@@ -83,3 +83,19 @@ def save(result: dict, name: str) -> str:
 
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def add_model_and_prompt_args(ap) -> None:
+    """The options every end-to-end benchmark shares: which checkpoints, which prompts, how long."""
+    ap.add_argument("--oracle", help="oracle checkpoint directory (default: the demo pair)")
+    ap.add_argument("--draft", help="draft checkpoint directory")
+    ap.add_argument("--ngram", help="n-gram table for the staged strategy")
+    ap.add_argument("--prompt-sets", nargs="+", default=["stdlib", "humaneval"],
+                    help="stdlib, humaneval, or paths to JSONL files with a 'prompt' field")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    ap.add_argument("--new-tokens", type=int, default=128)
+
+
+def fmt(x, unit: str = "", digits: int = 2) -> str:
+    """A table cell: empty for None, else the number with ``digits`` decimals and ``unit``."""
+    return "" if x is None else f"{x:.{digits}f}{unit}"

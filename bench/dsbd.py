@@ -39,7 +39,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, progress, save  # noqa: E402
+from common import add_model_and_prompt_args, fmt, machine, progress, save  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT_SETS = {"stdlib": os.path.join(HERE, "prompts", "stdlib_val.jsonl"),
@@ -219,27 +219,17 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for s, r in result["systems"].items():
         lines.append(f"| {s} | {r['median_tokens_per_s']:.1f} | {r['median_tokens_per_cpu_s']:.1f} "
-                     f"| {_fmt(r.get('median_speedup_vs_beam'), 'x')} "
-                     f"| {_fmt(r.get('median_speedup_vs_beam_rows'), 'x')} "
-                     f"| {r['mean_logprob']:.3f} | {_fmt(r.get('tokens_per_oracle_call'))} "
-                     f"| {_fmt(r.get('draft_acceptance'))} | {_fmt(r.get('mean_width'))} |")
+                     f"| {fmt(r.get('median_speedup_vs_beam'), 'x')} "
+                     f"| {fmt(r.get('median_speedup_vs_beam_rows'), 'x')} "
+                     f"| {r['mean_logprob']:.3f} | {fmt(r.get('tokens_per_oracle_call'))} "
+                     f"| {fmt(r.get('draft_acceptance'))} | {fmt(r.get('mean_width'))} |")
     lines += ["", *verdict(result), "", f"Note: {result['hf_note']}"]
     return "\n".join(lines)
 
 
-def _fmt(x, unit: str = "") -> str:
-    return "" if x is None else f"{x:.2f}{unit}"
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--oracle", help="oracle checkpoint directory (default: the demo pair)")
-    ap.add_argument("--draft", help="draft checkpoint directory")
-    ap.add_argument("--ngram", help="n-gram table for the staged strategy")
-    ap.add_argument("--prompt-sets", nargs="+", default=["stdlib", "humaneval"],
-                    help="stdlib, humaneval, or paths to JSONL files with a 'prompt' field")
-    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
-    ap.add_argument("--new-tokens", type=int, default=128)
+    add_model_and_prompt_args(ap)
     ap.add_argument("--num-beams", type=int, default=8, help="W for dsbd, beam and HF beam sample")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)

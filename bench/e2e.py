@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, progress, save  # noqa: E402
+from common import add_model_and_prompt_args, fmt, machine, progress, save  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT_SETS = {"stdlib": os.path.join(HERE, "prompts", "stdlib_val.jsonl"),
@@ -215,19 +215,11 @@ def markdown(result: dict) -> str:
             ident = (f"{r['identical']}/{result['n_prompts']}" + (f" ({r['ties']} ties)" if r.get("ties") else "")
                      if "identical" in r else "n/a (other RNG)")
             lines.append(
-                f"| {s} | {r['median_tokens_per_s']:.1f} | {_fmt(r.get('median_speedup_vs_hf'))} | "
-                f"{_fmt(r.get('median_speedup_vs_plain'))} | {_num(r.get('tokens_per_oracle_call'))} | "
-                f"{_num(r.get('relative_memory_traffic'))} | {_pct(r.get('overhead_share'))} | {ident} |")
+                f"| {s} | {r['median_tokens_per_s']:.1f} | {fmt(r.get('median_speedup_vs_hf'), 'x')} | "
+                f"{fmt(r.get('median_speedup_vs_plain'), 'x')} | {fmt(r.get('tokens_per_oracle_call'))} | "
+                f"{fmt(r.get('relative_memory_traffic'))} | {_pct(r.get('overhead_share'))} | {ident} |")
         lines.append("")
     return "\n".join(lines)
-
-
-def _fmt(x):
-    return "" if x is None else f"{x:.2f}x"
-
-
-def _num(x):
-    return "" if x is None else f"{x:.2f}"
 
 
 def _pct(x):
@@ -236,13 +228,7 @@ def _pct(x):
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--oracle", help="oracle checkpoint directory (default: the demo pair)")
-    ap.add_argument("--draft", help="draft checkpoint directory")
-    ap.add_argument("--ngram", help="n-gram table for the staged strategy")
-    ap.add_argument("--prompt-sets", nargs="+", default=["stdlib", "humaneval"],
-                    help="stdlib, humaneval, or paths to JSONL files with a 'prompt' field")
-    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
-    ap.add_argument("--new-tokens", type=int, default=128)
+    add_model_and_prompt_args(ap)
     ap.add_argument("--modes", nargs="+", choices=("greedy", "sampled"), default=["greedy", "sampled"])
     ap.add_argument("--systems", nargs="+", choices=HF_SYSTEMS + ENGINE_SYSTEMS,
                     default=list(HF_SYSTEMS + ENGINE_SYSTEMS))
