@@ -227,7 +227,7 @@ class ModelDrafter:
             return []
         tip = self._tip(tree, slot, frontier)
         tip_row = next((r for r, n in expand_rows if n == tip), None)
-        if tip_row is None or tree.depths[tip] >= max_depth:
+        if tip_row is None or tree.depths[tip] >= max_depth:  # the tip is not in this pass
             return []
         m_tokens, m_parents = self.inner.propose(self.history + self._path_tokens(tree, tip))
         mini: list[tuple[int, int, int]] = []
@@ -267,15 +267,17 @@ class ModelDrafter:
             slot.append(-1)
             frontier.add(child)
 
-    def _tip(self, tree: Tree, slot: list[int], frontier: set[int]) -> int | None:
-        """First unevaluated node on the most likely path (best child at every step)."""
+    def _tip(self, tree: Tree, slot: list[int], frontier: set[int]) -> int:
+        """First unexpanded node on the most likely path (best child at every step).
+
+        Children are added right after a node's pass, so walking down best children stops at a
+        node whose children are not known yet: the root in the first pass, else a node that is
+        either in the current pass or still waiting in the frontier.
+        """
         node = 0
-        while slot[node] >= 0:
-            kids = tree.children[node]
-            if not kids:
-                return None
-            node = min(kids.values())  # children are added best first
-        return node if node in frontier or node == 0 else None
+        while tree.children[node]:
+            node = min(tree.children[node].values())  # children are added best first
+        return node
 
     @staticmethod
     def _path_tokens(tree: Tree, node: int) -> list[int]:
