@@ -4,8 +4,12 @@
 // routines are slow for 2..16 rows and, worse for speculation, give a row a different rounding
 // depending on the row count. Here every output y[n, j] is one fixed sequence of FMAs over k
 // (16 lanes, then a masked tail, then one horizontal reduction), whatever N is: a tree node's
-// activations are bit-identical to those of plain one-token decoding. Weights stream from
-// memory once per 32-row tile and are reused from L2 for every group of 4 activation rows.
+// activations are bit-identical to those of plain one-token decoding. Each weight row streams
+// from memory once (software-prefetched two blocks ahead, since few-row products are bound by
+// memory, not arithmetic) and is reused from cache for every group of 4 activation rows.
+// Weights may be float16: a checkpoint stored in fp16 and loaded as fp32 holds exactly the same
+// values, so streaming the fp16 copy and widening in registers halves the memory traffic and
+// gives the very same bits as the fp32 weights.
 //
 // attention(): one query attends to the committed prefix and to its visible pending entries,
 // visited in slot order with a fixed reduction order, so a tree node's output equals what
@@ -35,10 +39,32 @@ inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float vmax_all(vec a) { return _mm512_reduce_max_ps(a); }
+inline vec vfloor(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vec vexp2i(vec y, vec n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
+// The lane sums of four vectors, as 4 floats; each sum uses one fixed tree of its own lanes.
+inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
+  auto half = [](vec a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 inline void vstore_tail(float* p, vec a, int64_t n) {
   _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), a);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+// float16 weights, widened to float32 in registers (exact).
+inline vec vload_h(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vec vload_h_tail(const uint16_t* p, int64_t n) {
+  alignas(32) uint16_t buf[16] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = p[i];
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int64_t kLanes = 8;
 using vec = __m256;
 inline vec vzero() { return _mm256_setzero_ps(); }
@@ -59,21 +85,78 @@ inline float vsum(vec a) {
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float vmax_all(vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+inline vec vfloor(vec a) { return _mm256_floor_ps(a); }
+inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+inline vec vexp2i(vec y, vec n) {  // y * 2^n for integral n in [-127, 128]
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
 inline void vstore_tail(float* p, vec a, int64_t n) { _mm256_maskstore_ps(p, tail_mask(n), a); }
+inline vec vload_h(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vec vload_h_tail(const uint16_t* p, int64_t n) {
+  alignas(16) uint16_t buf[8] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = p[i];
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+}
 #else
-#error "staged_engine._cpu needs AVX2+FMA or AVX-512 (built with -march=native)"
+#error "staged_engine._cpu needs AVX2+FMA+F16C or AVX-512 (built with -march=native)"
 #endif
 
+// exp() on every lane (Cephes expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp).
+// One fixed sequence of operations per lane, so a lane's result never depends on its neighbours.
+inline vec vexp(vec x) {
+  x = vmax(x, vset1(-87.3365f));
+  x = vmin(x, vset1(88.3762f));
+  const vec n = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  x = vfma(n, vset1(-0.693359375f), x);
+  x = vfma(n, vset1(2.12194440e-4f), x);
+  vec y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vfma(y, vmul(x, x), vadd(x, vset1(1.0f)));
+  return vexp2i(y, n);
+}
+
+// How a weight row is read: float32 as is, float16 widened (exactly) to float32.
+struct F32Weights {
+  using T = float;
+  static vec load(const float* p) { return vload(p); }
+  static vec load_tail(const float* p, int64_t n) { return vload_tail(p, n); }
+};
+struct F16Weights {
+  using T = uint16_t;
+  static vec load(const uint16_t* p) { return vload_h(p); }
+  static vec load_tail(const uint16_t* p, int64_t n) { return vload_h_tail(p, n); }
+};
+
 // Dot products of rows x[0..nr) with weight rows w[0..nj), nr, nj <= 4, all over K.
-template <int NR, int NJ>
-inline void block_dot(const float* const* x, const float* const* w, int64_t K, float out[4][4]) {
+template <class W, int NR, int NJ>
+inline void block_dot(const float* const* x, const typename W::T* const* w, int64_t K, float out[4][4]) {
   vec acc[NR][NJ];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NJ; ++j) acc[r][j] = vzero();
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     vec wv[NJ];
-    for (int j = 0; j < NJ; ++j) wv[j] = vload(w[j] + k);
+    for (int j = 0; j < NJ; ++j) wv[j] = W::load(w[j] + k);
     for (int r = 0; r < NR; ++r) {
       const vec xv = vload(x[r] + k);
       for (int j = 0; j < NJ; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
@@ -82,7 +165,7 @@ inline void block_dot(const float* const* x, const float* const* w, int64_t K, f
   if (k < K) {
     const int64_t t = K - k;
     vec wv[NJ];
-    for (int j = 0; j < NJ; ++j) wv[j] = vload_tail(w[j] + k, t);
+    for (int j = 0; j < NJ; ++j) wv[j] = W::load_tail(w[j] + k, t);
     for (int r = 0; r < NR; ++r) {
       const vec xv = vload_tail(x[r] + k, t);
       for (int j = 0; j < NJ; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
@@ -92,25 +175,74 @@ inline void block_dot(const float* const* x, const float* const* w, int64_t K, f
     for (int j = 0; j < NJ; ++j) out[r][j] = vsum(acc[r][j]);
 }
 
-template <int NR>
-inline void block_dot_nj(int nj, const float* const* x, const float* const* w, int64_t K,
+template <class W, int NR>
+inline void block_dot_nj(int nj, const float* const* x, const typename W::T* const* w, int64_t K,
                          float out[4][4]) {
   switch (nj) {
-    case 4: block_dot<NR, 4>(x, w, K, out); break;
-    case 3: block_dot<NR, 3>(x, w, K, out); break;
-    case 2: block_dot<NR, 2>(x, w, K, out); break;
-    default: block_dot<NR, 1>(x, w, K, out); break;
+    case 4: block_dot<W, NR, 4>(x, w, K, out); break;
+    case 3: block_dot<W, NR, 3>(x, w, K, out); break;
+    case 2: block_dot<W, NR, 2>(x, w, K, out); break;
+    default: block_dot<W, NR, 1>(x, w, K, out); break;
   }
 }
 
-inline void dispatch_block(int nr, int nj, const float* const* x, const float* const* w,
+template <class W>
+inline void dispatch_block(int nr, int nj, const float* const* x, const typename W::T* const* w,
                            int64_t K, float out[4][4]) {
   switch (nr) {
-    case 4: block_dot_nj<4>(nj, x, w, K, out); break;
-    case 3: block_dot_nj<3>(nj, x, w, K, out); break;
-    case 2: block_dot_nj<2>(nj, x, w, K, out); break;
-    default: block_dot_nj<1>(nj, x, w, K, out); break;
+    case 4: block_dot_nj<W, 4>(nj, x, w, K, out); break;
+    case 3: block_dot_nj<W, 3>(nj, x, w, K, out); break;
+    case 2: block_dot_nj<W, 2>(nj, x, w, K, out); break;
+    default: block_dot_nj<W, 1>(nj, x, w, K, out); break;
   }
+}
+
+// y (N, M) = x (N, K) @ w (M, K)^T + bias. Work splits over tiles of 32 weight rows. Within a
+// tile, float32 weights go block-of-4-rows outer (4 rows stay in L1 for all activation rows);
+// float16 weights, half the bytes, go activation-group outer, which measured faster. Either
+// way the 4 weight rows two blocks ahead are prefetched while the current block computes.
+template <class W, bool kWeightOuter>
+void linear_impl(const float* xp, const typename W::T* wp, const float* bp, float* yp,
+                 int64_t N, int64_t K, int64_t M) {
+  constexpr int64_t kTile = 32, kAhead = 2;
+  const int64_t tiles = (M + kTile - 1) / kTile;
+  const int64_t block_bytes = 4 * K * static_cast<int64_t>(sizeof(typename W::T));
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j_begin = t * kTile, j_end = std::min(M, j_begin + kTile);
+      auto prefetch_ahead = [&](int64_t j0) {
+        const int64_t pj = j0 + 4 * kAhead;
+        if (pj + 4 > M) return;
+        const char* base = reinterpret_cast<const char*>(wp + pj * K);
+        for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T0);
+      };
+      auto block = [&](int64_t n0, int64_t j0) {
+        const int nr = static_cast<int>(std::min<int64_t>(4, N - n0));
+        const int nj = static_cast<int>(std::min<int64_t>(4, j_end - j0));
+        const float* xr[4];
+        for (int r = 0; r < 4; ++r) xr[r] = xp + (n0 + std::min(r, nr - 1)) * K;
+        const typename W::T* wr[4];
+        for (int j = 0; j < 4; ++j) wr[j] = wp + (j0 + std::min(j, nj - 1)) * K;
+        float out[4][4];
+        dispatch_block<W>(nr, nj, xr, wr, K, out);
+        for (int r = 0; r < nr; ++r)
+          for (int j = 0; j < nj; ++j)
+            yp[(n0 + r) * M + j0 + j] = bp ? out[r][j] + bp[j0 + j] : out[r][j];
+      };
+      if (kWeightOuter) {
+        for (int64_t j0 = j_begin; j0 < j_end; j0 += 4) {
+          prefetch_ahead(j0);
+          for (int64_t n0 = 0; n0 < N; n0 += 4) block(n0, j0);
+        }
+      } else {
+        for (int64_t n0 = 0; n0 < N; n0 += 4)
+          for (int64_t j0 = j_begin; j0 < j_end; j0 += 4) {
+            if (n0 == 0) prefetch_ahead(j0);
+            block(n0, j0);
+          }
+      }
+    }
+  });
 }
 
 void check_f32_contig(const torch::Tensor& t, const char* name, int64_t dim) {
@@ -122,10 +254,12 @@ void check_f32_contig(const torch::Tensor& t, const char* name, int64_t dim) {
 
 }  // namespace
 
-// y (N, M) = x (N, K) @ w (M, K)^T + bias (M,)
+// y (N, M) = x (N, K) @ w (M, K)^T + bias (M,); w float32 or float16, x and bias float32.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   check_f32_contig(x, "x", 2);
-  check_f32_contig(w, "weight", 2);
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "weight must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kFloat16,
+              "weight must be float32 or float16, got ", w.scalar_type());
   const int64_t N = x.size(0), K = x.size(1), M = w.size(0);
   TORCH_CHECK(w.size(1) == K, "weight has ", w.size(1), " input features, x has ", K);
   const float* bp = nullptr;
@@ -135,33 +269,51 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
     bp = bias->data_ptr<float>();
   }
   auto y = torch::empty({N, M}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  constexpr int64_t kTile = 32;  // weight rows per tile: streamed once, reused from L2
-  const int64_t tiles = (M + kTile - 1) / kTile;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j_begin = t * kTile, j_end = std::min(M, j_begin + kTile);
-      for (int64_t n0 = 0; n0 < N; n0 += 4) {
-        const int nr = static_cast<int>(std::min<int64_t>(4, N - n0));
-        const float* xr[4];
-        for (int r = 0; r < 4; ++r) xr[r] = xp + (n0 + std::min(r, nr - 1)) * K;
-        for (int64_t j0 = j_begin; j0 < j_end; j0 += 4) {
-          const int nj = static_cast<int>(std::min<int64_t>(4, j_end - j0));
-          const float* wr[4];
-          for (int j = 0; j < 4; ++j) wr[j] = wp + (j0 + std::min(j, nj - 1)) * K;
-          float out[4][4];
-          dispatch_block(nr, nj, xr, wr, K, out);
-          for (int r = 0; r < nr; ++r)
-            for (int j = 0; j < nj; ++j)
-              yp[(n0 + r) * M + j0 + j] = bp ? out[r][j] + bp[j0 + j] : out[r][j];
-        }
-      }
-    }
-  });
+  if (w.scalar_type() == torch::kFloat16)
+    linear_impl<F16Weights, false>(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr()),
+                                   bp, y.data_ptr<float>(), N, K, M);
+  else
+    linear_impl<F32Weights, true>(x.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), N, K, M);
   return y;
 }
+
+namespace {
+// out[0..D) = inv * sum_s p[s] * V[slots[s]], with D <= C * kLanes held in registers; even and
+// odd slots accumulate apart (two FMA chains per chunk), then add. The order of operations
+// depends only on the slot count, never on the other queries of the call.
+template <int C>
+inline void weighted_values(const float* p, const int64_t* slots, int64_t n_slots, const float* vbase,
+                            int64_t ks, int64_t D, float inv, float* out) {
+  const int64_t tail = D - (C - 1) * kLanes;
+  vec even[C], odd[C];
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = vzero();
+  int64_t s = 0;
+  for (; s + 1 < n_slots; s += 2) {
+    const float* v0 = vbase + slots[s] * ks;
+    const float* v1 = vbase + slots[s + 1] * ks;
+    const vec p0 = vset1(p[s]), p1 = vset1(p[s + 1]);
+    for (int c = 0; c < C - 1; ++c) {
+      even[c] = vfma(p0, vload(v0 + c * kLanes), even[c]);
+      odd[c] = vfma(p1, vload(v1 + c * kLanes), odd[c]);
+    }
+    const int64_t o = (C - 1) * kLanes;
+    even[C - 1] = vfma(p0, tail == kLanes ? vload(v0 + o) : vload_tail(v0 + o, tail), even[C - 1]);
+    odd[C - 1] = vfma(p1, tail == kLanes ? vload(v1 + o) : vload_tail(v1 + o, tail), odd[C - 1]);
+  }
+  if (s < n_slots) {
+    const float* v0 = vbase + slots[s] * ks;
+    const vec p0 = vset1(p[s]);
+    for (int c = 0; c < C - 1; ++c) even[c] = vfma(p0, vload(v0 + c * kLanes), even[c]);
+    const int64_t o = (C - 1) * kLanes;
+    even[C - 1] = vfma(p0, tail == kLanes ? vload(v0 + o) : vload_tail(v0 + o, tail), even[C - 1]);
+  }
+  const vec vinv = vset1(inv);
+  for (int c = 0; c < C; ++c) {
+    const vec r = vmul(vadd(even[c], odd[c]), vinv);
+    if (c < C - 1 || tail == kLanes) vstore(out + c * kLanes, r); else vstore_tail(out + c * kLanes, r, tail);
+  }
+}
+}  // namespace
 
 // out (B, H, N, D): query i of row b attends to slots [0, starts[b]) and to slots
 // starts[b] + j for j < M with mask[b, i, j] (mask (B, N, M) bool; undefined = a chain:
@@ -214,23 +366,54 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
       const float* kbase = kp + b * kb + h * kh;
       const float* vbase = vp + b * kb + h * kh;
       p.resize(slots.size());
-      float mx = -std::numeric_limits<float>::infinity();
-      for (size_t s = 0; s < slots.size(); ++s) {
-        const float* kr = kbase + slots[s] * ks;
-        vec acc = vzero();
+      // Scores four slots at a time: one FMA chain over D per slot, then vsum4's fixed tree.
+      const int64_t n_slots = static_cast<int64_t>(slots.size());
+      for (int64_t s0 = 0; s0 < n_slots; s0 += 4) {
+        const int64_t cnt = std::min<int64_t>(4, n_slots - s0);
+        const float* kr[4];
+        for (int64_t u = 0; u < 4; ++u) kr[u] = kbase + slots[s0 + std::min(u, cnt - 1)] * ks;
+        vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
         int64_t d = 0;
-        for (; d + kLanes <= D; d += kLanes) acc = vfma(vload(qi + d), vload(kr + d), acc);
-        if (d < D) acc = vfma(vload_tail(qi + d, D - d), vload_tail(kr + d, D - d), acc);
-        p[s] = vsum(acc) * sc;
-        mx = std::max(mx, p[s]);
+        for (; d + kLanes <= D; d += kLanes) {
+          const vec qv = vload(qi + d);
+          for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, vload(kr[u] + d), acc[u]);
+        }
+        if (d < D) {
+          const vec qv = vload_tail(qi + d, D - d);
+          for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, vload_tail(kr[u] + d, D - d), acc[u]);
+        }
+        alignas(16) float four[4];
+        _mm_store_ps(four, _mm_mul_ps(vsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(sc)));
+        for (int64_t u = 0; u < cnt; ++u) p[s0 + u] = four[u];
       }
-      float denom = 0.f;
-      for (size_t s = 0; s < slots.size(); ++s) {
-        p[s] = std::exp(p[s] - mx);
-        denom += p[s];
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < n_slots; ++s) mx = std::max(mx, p[s]);
+      // p = exp(p - max) and their sum, kLanes slots at a time (the tail lanes are masked off).
+      const vec vmx = vset1(mx);
+      vec vden = vzero();
+      for (int64_t s = 0; s < n_slots; s += kLanes) {
+        const int64_t t = std::min<int64_t>(kLanes, n_slots - s);
+        if (t == kLanes) {
+          const vec e = vexp(vsub(vload(p.data() + s), vmx));
+          vstore(p.data() + s, e);
+          vden = vadd(vden, e);
+        } else {
+          const vec e = vexp(vsub(vload_tail(p.data() + s, t), vmx));
+          vstore_tail(p.data() + s, e, t);
+          vden = vadd(vden, vload_tail(p.data() + s, t));
+        }
       }
-      const float inv = 1.f / denom;
+      const float inv = 1.f / vsum(vden);
       float* oi = op + ((b * H + h) * N + i) * D;
+      if (D <= 4 * kLanes) {
+        switch ((D + kLanes - 1) / kLanes) {
+          case 1: weighted_values<1>(p.data(), slots.data(), n_slots, vbase, ks, D, inv, oi); break;
+          case 2: weighted_values<2>(p.data(), slots.data(), n_slots, vbase, ks, D, inv, oi); break;
+          case 3: weighted_values<3>(p.data(), slots.data(), n_slots, vbase, ks, D, inv, oi); break;
+          default: weighted_values<4>(p.data(), slots.data(), n_slots, vbase, ks, D, inv, oi); break;
+        }
+        continue;
+      }
       for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
         const int64_t t = std::min<int64_t>(kLanes, D - d0);
         vec acc = vzero();
@@ -248,7 +431,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-count-independent few-row linear and slot-ordered attention for CPU decoding";
-  m.def("linear", &linear, "y = x @ w.T + bias, per-row results independent of the row count",
+  m.def("linear", &linear, "y = x @ w.T + bias (w float32 or float16), per-row results independent of the row count",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def("attention", &attention, "tree attention over the committed prefix and visible pending entries",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("starts"), py::arg("m"),

@@ -94,6 +94,24 @@ class TorchBackend(Backend):
                 warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU",
                               stacklevel=2)
         self.native = bool(native)
+        # weight -> its float16 twin, for weights whose values fp16 holds exactly (see _stream_weight)
+        self._half: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
+
+    def _stream_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The tensor the native kernel should read for ``weight``.
+
+        Few-row products are bound by memory traffic. A checkpoint stored in fp16 and loaded as
+        fp32 holds values that fp16 represents exactly, so the kernel can stream an fp16 copy,
+        widen it in registers and produce the very same bits with half the bytes. Decided once
+        per weight (and again if the weight is modified in place).
+        """
+        entry = self._half.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            half = weight.half()
+            exact = bool(torch.equal(half.float(), weight))  # inf/nan or out-of-range: keep fp32
+            entry = (weight, weight._version, half if exact else None)
+            self._half[id(weight)] = entry
+        return weight if entry[2] is None else entry[2]
 
     def _use_native(self, t: torch.Tensor, rows: int) -> bool:
         return self.native and rows <= NATIVE_MAX_ROWS and t.dtype == torch.float32 and t.device.type == "cpu"
@@ -101,7 +119,7 @@ class TorchBackend(Backend):
     def linear(self, x, weight, bias):
         rows = x.numel() // x.shape[-1]
         if self._use_native(x, rows):
-            y = _cpu.linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+            y = _cpu.linear(x.reshape(rows, x.shape[-1]).contiguous(), self._stream_weight(weight), bias)
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
