@@ -429,6 +429,73 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
   return out;
 }
 
+// For each row of scores (N, V): the k largest entries (descending, ties to the smaller id) and
+// their log-softmax values, scores[idx] - logsumexp(scores), in one pass for the selection and
+// two vectorised passes for the normaliser. The tree builder's child scoring (drafters.py).
+std::vector<torch::Tensor> top_children(const torch::Tensor& scores, int64_t k) {
+  check_f32_contig(scores, "scores", 2);
+  const int64_t N = scores.size(0), V = scores.size(1);
+  TORCH_CHECK(k >= 1 && k <= V && k <= 64, "k must be in [1, min(V, 64)], got ", k);
+  auto idx = torch::empty({N, k}, scores.options().dtype(torch::kInt64));
+  auto logr = torch::empty({N, k}, scores.options());
+  const float* sp = scores.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  float* lp = logr.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    float bv[64];
+    int64_t bi[64];
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = sp + r * V;
+      int64_t filled = 0;
+      float thresh = -std::numeric_limits<float>::infinity();
+      auto offer = [&](int64_t j) {
+        const float x = row[j];
+        if (filled == k && !(x > thresh)) return;
+        int64_t pos = filled < k ? filled++ : k - 1;
+        while (pos > 0 && x > bv[pos - 1]) {  // strictly greater: the earlier id stays ahead
+          bv[pos] = bv[pos - 1];
+          bi[pos] = bi[pos - 1];
+          --pos;
+        }
+        bv[pos] = x;
+        bi[pos] = j;
+        if (filled == k) thresh = bv[k - 1];
+      };
+      vec vm = vset1(-std::numeric_limits<float>::infinity());
+      int64_t j = 0;
+      for (; j + kLanes <= V; j += kLanes) {
+        const vec x = vload(row + j);
+        vm = vmax(vm, x);
+        if (filled < k) {
+          for (int64_t u = 0; u < kLanes; ++u) offer(j + u);
+        } else if (vmax_all(x) > thresh) {
+          for (int64_t u = 0; u < kLanes; ++u) offer(j + u);
+        }
+      }
+      float mx = vmax_all(vm);
+      for (; j < V; ++j) {
+        mx = std::max(mx, row[j]);
+        offer(j);
+      }
+      float lse = mx;
+      if (std::isfinite(mx)) {
+        const vec vmx = vset1(mx);
+        vec acc = vzero();
+        int64_t t = 0;
+        for (; t + kLanes <= V; t += kLanes) acc = vadd(acc, vexp(vsub(vload(row + t), vmx)));
+        float sum = vsum(acc);
+        for (; t < V; ++t) sum += std::exp(row[t] - mx);
+        lse = mx + std::log(sum);
+      }
+      for (int64_t u = 0; u < k; ++u) {
+        ip[r * k + u] = bi[u];
+        lp[r * k + u] = bv[u] - lse;
+      }
+    }
+  });
+  return {idx, logr};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-count-independent few-row linear and slot-ordered attention for CPU decoding";
   m.def("linear", &linear, "y = x @ w.T + bias (w float32 or float16), per-row results independent of the row count",
@@ -436,4 +503,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "tree attention over the committed prefix and visible pending entries",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("starts"), py::arg("m"),
         py::arg("mask") = py::none(), py::arg("scale"));
+  m.def("top_children", &top_children, "k largest scores per row and their log-softmax values",
+        py::arg("scores"), py::arg("k"));
 }

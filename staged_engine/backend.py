@@ -50,6 +50,12 @@ class Backend:
     def commit(self, k: torch.Tensor, v: torch.Tensor, row: int, start: int, path: list[int]) -> None:
         raise NotImplementedError
 
+    def top_children(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k best entries of each row of scores (N, V) and their log-softmax values:
+        (ids (N, k) int64, log r (N, k) float32), best first. Drafters rank children with it."""
+        vals, idx = torch.topk(torch.log_softmax(scores.float(), dim=-1), k, dim=-1)
+        return idx, vals
+
     def choose_one(self, logits: torch.Tensor, position: int, params: SamplingParams,
                    noise: NoiseTable | None) -> int:
         """The oracle's choice for the token at ``position`` from (V,) logits."""
@@ -122,6 +128,12 @@ class TorchBackend(Backend):
             y = _cpu.linear(x.reshape(rows, x.shape[-1]).contiguous(), self._stream_weight(weight), bias)
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
+
+    def top_children(self, scores, k):
+        if self._use_native(scores, 1) and scores.dim() == 2 and k <= 64:
+            idx, logr = _cpu.top_children(scores.contiguous(), k)
+            return idx, logr
+        return super().top_children(scores, k)
 
     def append_qkv(self, qkv, k_cache, v_cache, starts, n_head):
         # qkv: (B, N, 3C) -> q, k, v each (B, H, N, D)

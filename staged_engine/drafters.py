@@ -141,9 +141,8 @@ class ModelDrafter:
         softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses).
         """
         scores = perturbed_logprobs(logits, positions, self.params, self.noise)
-        logr = torch.log_softmax(scores, dim=-1)
-        k = min(self.shape.children, logr.shape[-1])
-        vals, idx = torch.topk(logr, k, dim=-1)
+        k = min(self.shape.children, scores.shape[-1])
+        idx, vals = self.runner.cache.backend.top_children(scores, k)
         return idx.tolist(), vals.tolist()
 
     # ----------------------------------------------------------------- tree building

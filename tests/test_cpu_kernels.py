@@ -127,3 +127,29 @@ def test_attention_matches_float64_reference(b, h, n, m, d, starts, tree):
         one = _cpu.attention(q[:, :, i:i + 1].contiguous(), k, v, starts, m,
                              full_mask[i:i + 1].contiguous(), d ** -0.5)
         assert torch.equal(one[:, :, 0], out[:, :, i])
+
+
+@pytest.mark.parametrize("n,v,k", [(1, 8192, 4), (5, 997, 1), (3, 37, 8), (2, 16, 16), (4, 515, 64)])
+def test_top_children_matches_sorted_log_softmax(n, v, k):
+    g = torch.Generator().manual_seed(v + k)
+    scores = torch.randn(n, v, generator=g)
+    scores[0, ::7] = float("-inf")  # removed by top-k / top-p
+    scores[-1, 3] = scores[-1, 5] = scores[-1, 9] = scores[-1].max() + 1.0  # a three-way tie at the top
+    idx, logr = _cpu.top_children(scores, k)
+    ref = torch.log_softmax(scores.double(), dim=-1)
+    vals, order = torch.sort(ref, dim=-1, descending=True, stable=True)  # ties: smaller id first
+    assert torch.equal(idx, order[:, :k])
+    torch.testing.assert_close(logr.double(), vals[:, :k], rtol=1e-6, atol=1e-6)
+    assert idx[-1, :3].tolist() == [3, 5, 9][:k] or k < 3
+
+
+def test_top_children_rows_with_few_finite_entries():
+    scores = torch.full((2, 40), float("-inf"))
+    scores[0, 17] = 2.0
+    scores[1, 30], scores[1, 2] = 1.0, 1.0
+    idx, logr = _cpu.top_children(scores, 3)
+    assert idx[0, 0] == 17 and logr[0, 0] == 0.0 and torch.isinf(logr[0, 1:]).all()
+    assert idx[1, :2].tolist() == [2, 30]
+    torch.testing.assert_close(logr[1, :2], torch.full((2,), -0.6931472))
+    with pytest.raises(RuntimeError, match="k must be"):
+        _cpu.top_children(scores, 0)
