@@ -59,6 +59,22 @@ class GPT2(nn.Module):
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.act = _activation(config.activation_function)
+        self._flat: list[tuple[torch.Tensor, ...]] | None = None
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ... make new tensors: drop the cache
+        self._flat = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def _layer_tensors(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per block, its 12 tensors in forward order. nn.Module attribute lookups cost ~0.1 ms
+        per decoding step at these sizes, so forward reads them from this list (built once;
+        rebuilt after ``_apply``; in-place updates such as load_state_dict keep the tensors)."""
+        if self._flat is None:
+            self._flat = [(b.ln_1.weight, b.ln_1.bias, b.attn.c_attn.weight, b.attn.c_attn.bias,
+                           b.attn.c_proj.weight, b.attn.c_proj.bias, b.ln_2.weight, b.ln_2.bias,
+                           b.mlp.c_fc.weight, b.mlp.c_fc.bias, b.mlp.c_proj.weight, b.mlp.c_proj.bias)
+                          for b in self.h]
+        return self._flat
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
@@ -93,17 +109,19 @@ class GPT2(nn.Module):
         if tree_mask is not None and tuple(tree_mask.shape[-2:]) != (n, m):
             raise ValueError(f"tree_mask must be ({n}, {m}) for {n} new tokens after {cache.pending} "
                              f"pending entries, got {tuple(tree_mask.shape)}")
-        x = self.wte(tokens) + self.wpe(positions)  # (B, N, C)
-        for layer, blk in enumerate(self.h):
-            h = F.layer_norm(x, (cfg.n_embd,), blk.ln_1.weight, blk.ln_1.bias, cfg.layer_norm_epsilon)
-            qkv = be.linear(h, blk.attn.c_attn.weight, blk.attn.c_attn.bias)  # (B, N, 3C)
+        c, eps = (cfg.n_embd,), cfg.layer_norm_epsilon
+        x = F.embedding(tokens, self.wte.weight) + F.embedding(positions, self.wpe.weight)  # (B, N, C)
+        for layer, (ln1w, ln1b, qkvw, qkvb, aow, aob, ln2w, ln2b, fcw, fcb, mpw, mpb) in \
+                enumerate(self._layer_tensors()):
+            h = F.layer_norm(x, c, ln1w, ln1b, eps)
+            qkv = be.linear(h, qkvw, qkvb)  # (B, N, 3C)
             q = be.append_qkv(qkv, cache.k[layer], cache.v[layer], writes, cfg.n_head)  # (B, H, N, D)
             a = be.attention(q, cache.k[layer], cache.v[layer], starts, m, tree_mask, cfg.attn_scale)
             a = a.transpose(1, 2).reshape(b, n, cfg.n_embd)  # (B, N, C)
-            x = x + be.linear(a, blk.attn.c_proj.weight, blk.attn.c_proj.bias)
-            h = F.layer_norm(x, (cfg.n_embd,), blk.ln_2.weight, blk.ln_2.bias, cfg.layer_norm_epsilon)
-            h = self.act(be.linear(h, blk.mlp.c_fc.weight, blk.mlp.c_fc.bias))  # (B, N, 4C)
-            x = x + be.linear(h, blk.mlp.c_proj.weight, blk.mlp.c_proj.bias)
+            x = x + be.linear(a, aow, aob)
+            h = F.layer_norm(x, c, ln2w, ln2b, eps)
+            h = self.act(be.linear(h, fcw, fcb))  # (B, N, 4C)
+            x = x + be.linear(h, mpw, mpb)
         cache.pending = m
         if last_only:
             x = x[:, -1:]
