@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .runner import ModelRunner
-from .sampling import NoiseTable, SamplingParams, perturbed_logprobs
+from .sampling import NoiseTable, SamplingParams, perturbed_logprobs, perturbed_top
 from .tree import Tree
 
 
@@ -140,8 +140,13 @@ class ModelDrafter:
         r is the draft's distribution used for tree scores: softmax(z) at T = 0, else the
         softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses).
         """
+        k = min(self.shape.children, logits.shape[-1])
+        sparse = perturbed_top(logits, positions, self.params, self.noise)
+        if sparse is not None:  # top-k sampling: only the kept tokens can be children
+            ids, scores = sparse
+            vals, order = torch.topk(torch.log_softmax(scores, dim=-1), min(k, ids.shape[-1]), dim=-1)
+            return ids.gather(-1, order).tolist(), vals.tolist()
         scores = perturbed_logprobs(logits, positions, self.params, self.noise)
-        k = min(self.shape.children, scores.shape[-1])
         idx, vals = self.runner.cache.backend.top_children(scores, k)
         return idx.tolist(), vals.tolist()
 

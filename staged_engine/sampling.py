@@ -111,12 +111,30 @@ def _top(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     k + 1 largest values tie, the stable sort decides (exact float ties are rare).
     """
     vocab = z.shape[-1]
-    if k < vocab:
+    if k < vocab:  # k + 1 values reveal a tie at the cut
         vals, idx = torch.topk(z, k + 1, dim=-1)
         if not (vals[..., 1:] == vals[..., :-1]).any():
             return vals[..., :k], idx[..., :k]
     vals, idx = torch.sort(z, dim=-1, descending=True, stable=True)
     return vals[..., :k], idx[..., :k]
+
+
+def kept_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens top-k keeps and their log p' (top-p removals at -inf): ((..., k) float32 log
+    probs in descending order, (..., k) int64 ids). Needs 0 < top_k < V and temperature > 0."""
+    z = logits.float() / params.temperature
+    vals, idx = _top(z, params.top_k)
+    logp = torch.log_softmax(vals, dim=-1)
+    if params.top_p < 1.0:
+        mass_before = torch.cumsum(logp.exp(), dim=-1) - logp.exp()
+        logp = logp.masked_fill(mass_before >= params.top_p, float("-inf"))
+        logp = torch.log_softmax(logp, dim=-1)
+    return logp, idx
+
+
+def _sparse(params: SamplingParams, vocab: int) -> bool:
+    """Top-k keeps few tokens: only they need noise (same values, a fraction of the work)."""
+    return not params.greedy and 0 < params.top_k < vocab
 
 
 def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -128,18 +146,14 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     """
     if params.greedy:
         raise ValueError("processed_logprobs needs temperature > 0; greedy uses the raw logits")
-    z = logits.float() / params.temperature
-    vocab = z.shape[-1]
+    vocab = logits.shape[-1]
     k = params.top_k if 0 < params.top_k < vocab else vocab
     if k == vocab and params.top_p >= 1.0:
-        return torch.log_softmax(z, dim=-1)
-    vals, idx = _top(z, k)
-    logp = torch.log_softmax(vals, dim=-1)
-    if params.top_p < 1.0:
-        mass_before = torch.cumsum(logp.exp(), dim=-1) - logp.exp()
-        logp = logp.masked_fill(mass_before >= params.top_p, float("-inf"))
-        logp = torch.log_softmax(logp, dim=-1)
-    out = torch.full_like(z, float("-inf"))
+        return torch.log_softmax(logits.float() / params.temperature, dim=-1)
+    if k == vocab:
+        params = SamplingParams(params.temperature, vocab, params.top_p, params.seed)
+    logp, idx = kept_logprobs(logits, params)
+    out = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
     return out.scatter_(-1, idx, logp)
 
 
@@ -174,6 +188,14 @@ class NoiseTable:
         """(N, V) noise for N positions."""
         return torch.stack([self.at(p) for p in positions])
 
+    def at_ids(self, positions: list[int], ids: torch.Tensor) -> torch.Tensor:
+        """(N, k) noise g(seed, positions[i])[ids[i, j]]: the same values as ``rows(positions)``
+        gathered at ``ids``, computed for those tokens only."""
+        keys = torch.tensor([noise_key(self.seed, p) for p in positions], dtype=torch.int64,
+                            device=ids.device).unsqueeze(1)
+        h = _mix32_tensor(((_mix32_tensor(self.salt[ids] ^ keys)) + keys) & _M32)
+        return -torch.log(-torch.log(uniform_from_hash(h)))
+
 
 def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,
            noise: NoiseTable | None) -> torch.Tensor:
@@ -186,6 +208,12 @@ def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,
         return logits.argmax(dim=-1)
     if noise is None:
         raise ValueError("sampling at temperature > 0 needs a NoiseTable")
+    vocab = logits.shape[-1]
+    if _sparse(params, vocab):
+        logp, idx = kept_logprobs(logits, params)
+        scores = logp + noise.at_ids(positions, idx)
+        best = scores.max(dim=-1, keepdim=True).values
+        return torch.where(scores == best, idx, vocab).min(dim=-1).values  # ties: smallest id
     scores = processed_logprobs(logits, params) + noise.rows(positions)
     return scores.argmax(dim=-1)
 
@@ -196,3 +224,13 @@ def perturbed_logprobs(logits: torch.Tensor, positions: list[int], params: Sampl
     if params.greedy:
         return logits.float()
     return processed_logprobs(logits, params) + noise.rows(positions)
+
+
+def perturbed_top(logits: torch.Tensor, positions: list[int], params: SamplingParams,
+                  noise: NoiseTable | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """With top-k sampling: the kept tokens and their perturbed scores log p' + g, ((N, k) ids,
+    (N, k) scores); the other tokens score -inf. None when every token needs scoring."""
+    if not _sparse(params, logits.shape[-1]):
+        return None
+    logp, idx = kept_logprobs(logits, params)
+    return idx, logp + noise.at_ids(positions, idx)

@@ -9,7 +9,7 @@ import torch
 
 from staged_engine import Engine
 from staged_engine.sampling import (
-    NoiseTable, SamplingParams, _hash_reference, choose, gumbel_noise, vocab_salt,
+    NoiseTable, SamplingParams, _hash_reference, choose, gumbel_noise, processed_logprobs, vocab_salt,
 )
 
 
@@ -118,3 +118,21 @@ def test_top_k_ties_go_to_smallest_ids():
     logp = processed_logprobs(z, SamplingParams(1.0, 2))
     assert torch.isfinite(logp[0]).tolist() == [False, True, True, False, False]
     assert torch.isfinite(logp[1]).tolist() == [False, True, True, False, False]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 1, 1.0), (0.7, 5, 1.0), (1.0, 50, 1.0), (1.0, 50, 0.9)])
+def test_top_k_choice_needs_noise_only_at_kept_tokens(temperature, top_k, top_p):
+    """choose() draws noise for the top-k tokens only; it must pick exactly the token of the
+    dense rule argmax(log p' + g(seed, t)) over the whole vocabulary, ties to the smaller id."""
+    vocab = 997
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(6, vocab, generator=g) * 3
+    logits[1, 10:20] = logits[1].max() + 1.0  # ten tokens tied at the top
+    logits[2] = 0.0  # every token tied
+    params_dense = SamplingParams(temperature, top_k, top_p, seed=0)
+    positions = list(range(40, 46))
+    for seed in range(300):
+        params = SamplingParams(temperature, top_k, top_p, seed=seed)
+        noise = NoiseTable(seed, vocab)
+        dense = (processed_logprobs(logits, params_dense) + noise.rows(positions)).argmax(dim=-1)
+        assert torch.equal(choose(logits, positions, params, noise), dense)
