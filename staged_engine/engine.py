@@ -19,13 +19,24 @@ from .dsbd import make_beam_decoder
 from .strategies import Decoder, PlainDecoder, SpeculativeDecoder
 
 STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
-# Defaults of the speculative knobs; bench/results/sweep_*.json holds the measurements behind them.
+# Defaults of the speculative knobs, per mode: the best shapes of `python bench/sweep.py` (greedy)
+# and `--sampled` (top-k 50, T = 1) on the demo pair, bench/results/sweep_{greedy,sampled}.json.
+# Greedy drafts agree with the oracle for many tokens in a row, so deep narrow shapes win; when
+# sampling, agreement is short and small trees win. On a 2-core CPU a forward pass over N nodes
+# costs far more than a 1-node pass (bench/results/forward_cost.json), which keeps trees small.
 DEFAULT_SHAPES = {
-    "chain": TreeShape(budget=5, max_depth=4, children=1, expand=1),
-    "tree": TreeShape(budget=12, max_depth=8, children=4, expand=4),
-    "staged": TreeShape(budget=12, max_depth=8, children=4, expand=4),
+    "greedy": {
+        "chain": TreeShape(budget=11, max_depth=10, children=1, expand=1),
+        "tree": TreeShape(budget=12, max_depth=8, children=2, expand=2),
+        "staged": TreeShape(budget=11, max_depth=10, children=1, expand=1),
+    },
+    "sampled": {
+        "chain": TreeShape(budget=3, max_depth=2, children=1, expand=1),
+        "tree": TreeShape(budget=4, max_depth=3, children=4, expand=4),
+        "staged": TreeShape(budget=6, max_depth=5, children=2, expand=2),
+    },
 }
-DEFAULT_NGRAM_WIDTHS = (12, 7, 4, 1, 1, 1)
+DEFAULT_NGRAM_WIDTHS = {"greedy": (1,) * 10, "sampled": (1,) * 5}
 SPEC_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length", "ngram_widths", "ngram_learn")
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo")
 
@@ -200,7 +211,8 @@ class Engine:
                              f"known: {list(SPEC_OPTIONS)}")
         if self.draft is None:
             raise ValueError(f"strategy {strategy!r} needs a draft model (Engine.from_pretrained(draft=...))")
-        shape = DEFAULT_SHAPES[strategy]
+        mode = "greedy" if params.greedy else "sampled"
+        shape = DEFAULT_SHAPES[mode][strategy]
         if strategy == "chain":
             if any(k in options for k in ("budget", "children", "expand", "max_depth")):
                 raise ValueError("strategy 'chain' takes chain_length, not budget/children/expand/max_depth")
@@ -213,7 +225,7 @@ class Engine:
                                  for f in ("budget", "max_depth", "children", "expand")})
         inner = None
         if strategy == "staged":
-            widths = tuple(options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS))
+            widths = tuple(options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS[mode]))
             inner = NGramDrafter(self._ngram_model(), widths, bool(options.get("ngram_learn", False)))
             if self.draft2 is not None:
                 inner = ModelDrafter(self._runner("draft2", self.draft2), params, noise,
