@@ -235,9 +235,22 @@ void linear_impl(const float* xp, const typename W::T* wp, const float* bp, floa
           for (int64_t n0 = 0; n0 < N; n0 += 4) block(n0, j0);
         }
       } else {
+        // The first activation group streams the tile from memory (prefetching two blocks
+        // ahead); meanwhile, spread evenly over the tile's work, the next tile is prefetched
+        // into L2 one block at a time, so memory stays busy while the later groups compute.
+        const int64_t groups = (N + 3) / 4;
+        const int64_t next = j_end, next_end = std::min(M, j_end + kTile);
+        int64_t step = 0, fetched = 0;
         for (int64_t n0 = 0; n0 < N; n0 += 4)
-          for (int64_t j0 = j_begin; j0 < j_end; j0 += 4) {
+          for (int64_t j0 = j_begin; j0 < j_end; j0 += 4, ++step) {
             if (n0 == 0) prefetch_ahead(j0);
+            if (fetched * groups <= step && next + 4 * fetched < next_end) {
+              const int64_t pj = next + 4 * fetched++;
+              const char* base = reinterpret_cast<const char*>(wp + pj * K);
+              const int64_t bytes = std::min<int64_t>(4, next_end - pj) * K *
+                                    static_cast<int64_t>(sizeof(typename W::T));
+              for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(base + off, _MM_HINT_T1);
+            }
             block(n0, j0);
           }
       }
