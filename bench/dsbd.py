@@ -39,7 +39,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_model_and_prompt_args, fmt, machine, progress, save  # noqa: E402
+from common import ProgressBar, add_model_and_prompt_args, fmt, machine, progress, save  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT_SETS = {"stdlib": os.path.join(HERE, "prompts", "stdlib_val.jsonl"),
@@ -148,9 +148,10 @@ def run(args) -> dict:
     for s in systems:  # warm-up: one short run of each
         run_system(eng, hf, s, prompts[0]["ids"], 8, args, 0, options)
     runs: dict[str, list[dict]] = {s: [] for s in systems}
-    t_start = time.perf_counter()
+    bar = ProgressBar(len(prompts), "[dsbd]", "prompts", status_width=max(map(len, systems)))
     for i, p in enumerate(prompts):
         for s in systems:
+            bar.update(0, status=s)  # before the clocks start: the bar is never timed
             t0, c0 = time.perf_counter(), time.process_time()
             tokens, stats = run_system(eng, hf, s, p["ids"], args.new_tokens, args, i, options)
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -158,9 +159,8 @@ def run(args) -> dict:
                             "seconds": dt, "tokens_per_s": len(tokens) / dt, "cpu_seconds": cpu,
                             "tokens_per_cpu_s": len(tokens) / cpu,
                             "mean_logprob": mean_logprob(eng, p["ids"], tokens), **stats})
-        elapsed = time.perf_counter() - t_start
-        progress(f"{i + 1}/{len(prompts)} prompts, {elapsed:.0f}s elapsed, "
-                 f"ETA {elapsed / (i + 1) * (len(prompts) - i - 1):.0f}s")
+        bar.update(1, status="")
+    bar.close()
     return {"benchmark": "DSBD vs beam sampling (issue 8)", "machine": machine(),
             "oracle": oracle_dir, "draft": draft_dir, "oracle_params": eng.config.num_params,
             "draft_params": eng.draft.config.num_params if eng.draft else None,

@@ -70,25 +70,50 @@ def section_generic(title: str, r: dict, source: str) -> list[str]:
     return []
 
 
+def _plot(name: str, alt: str) -> list[str]:
+    """A markdown image line for bench/results/plots/<name> if that PNG exists."""
+    if os.path.isfile(os.path.join(RESULTS, "plots", name)):
+        return [f"![{alt}](bench/results/plots/{name})\n"]
+    return []
+
+
+def section_sweep(greedy: dict | None, sampled: dict | None) -> list[str]:
+    out = ["### Tree-shape sweep behind the defaults (`staged-engine bench sweep [--sampled]`)\n",
+           "Best shape per strategy, as a median speedup over plain decoding on the same prompts "
+           "(16 prompts x 128 tokens); the engine's defaults per mode are these shapes. Sources: "
+           "`bench/results/sweep_greedy.json`, `bench/results/sweep_sampled.json`.\n",
+           "| mode | strategy | shape | tok/s | vs plain | tokens/oracle call |", "|---|---|---|---|---|---|"]
+    for r in (greedy, sampled):
+        if not r:
+            continue
+        for strategy, b in r["best"].items():
+            opts = ", ".join(f"{k}={v}" for k, v in b["options"].items())
+            out.append(f"| {r['mode']} | {strategy} | {opts} | {b['median_tokens_per_s']:.0f} | "
+                       f"{b['median_speedup_vs_plain']:.2f}x | {b['tokens_per_oracle_call']:.2f} |")
+    out.append("")
+    return out
+
+
 def render() -> str:
     parts: list[str] = []
     r = _load("e2e.json")
     if r:
-        title = "End to end on the demo pair (`staged-engine bench e2e`)"
-        if _load("e2e_sampled.json"):
-            title += "; its sampled half predates the top-k fix, the next table supersedes it"
-        parts += section_e2e(r, title)
-    r = _load("e2e_sampled.json")
-    if r:
-        parts += section_e2e(r, "Sampled (top-k 50, T = 1), after the top-k fix", "e2e_sampled.json")
+        parts += section_e2e(r)
+        parts += _plot("e2e_speedup.png", "speedup over HF generate per system")
+        parts += _plot("e2e_accepted_lengths.png", "tokens emitted per oracle call")
     r = _load("e2e_identity_all_prompts.json")
     if r:
         parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, greedy",
                              "e2e_identity_all_prompts.json")
+    greedy, sampled = _load("sweep_greedy.json"), _load("sweep_sampled.json")
+    if greedy or sampled:
+        parts += section_sweep(greedy, sampled)
     for name, fn in (("plain_vs_hf.json", section_plain_vs_hf), ("forward_cost.json", section_forward_cost)):
         r = _load(name)
         if r:
             parts += fn(r)
+            if name == "forward_cost.json":
+                parts += _plot("forward_cost.png", "oracle forward time against tree nodes")
     for name, title in (("dsbd.json", "DSBD against beam sampling (`staged-engine bench dsbd`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):

@@ -14,10 +14,9 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, progress, save  # noqa: E402
+from common import ProgressBar, machine, save  # noqa: E402
 from e2e import load_prompts  # noqa: E402
 
 
@@ -54,8 +53,10 @@ def main(argv=None) -> int:
     plain_tps = [r.stats["tokens_per_second"] for r in plain]
     rows = []
     shapes = [s for s in grid() if s[0] in args.strategies]
-    t0 = time.perf_counter()
-    for n, (strategy, opts) in enumerate(shapes):
+    mode = "sampled" if args.sampled else "greedy"
+    bar = ProgressBar(len(shapes), f"[sweep {mode}]", "shapes")
+    for strategy, opts in shapes:
+        bar.update(0, status=f"{strategy} {opts}")  # speeds come from the engine's own timers
         res = [eng.generate(p, strategy=strategy, seed=i, **kw, **opts) for i, p in enumerate(prompts)]
         assert all(r.token_ids == q.token_ids for r, q in zip(res, plain)), (strategy, opts)
         tps = [r.stats["tokens_per_second"] for r in res]
@@ -65,12 +66,10 @@ def main(argv=None) -> int:
                      "tokens_per_oracle_call": sum(r.stats["new_tokens"] for r in res) / calls,
                      "draft_calls_per_round": sum(r.stats["draft_calls"] for r in res) / calls,
                      "overhead_share": statistics.median(r.stats["overhead_share"] for r in res)})
-        el = time.perf_counter() - t0
-        progress(f"{n + 1}/{len(shapes)} {strategy} {opts}: {rows[-1]['median_speedup_vs_plain']:.2f}x "
-                 f"({el:.0f}s, ETA {el / (n + 1) * (len(shapes) - n - 1):.0f}s)")
+        bar.update(1, status=f"{strategy} {opts}: {rows[-1]['median_speedup_vs_plain']:.2f}x")
+    bar.close()
     best = {s: max((r for r in rows if r["strategy"] == s), key=lambda r: r["median_speedup_vs_plain"])
             for s in args.strategies}
-    mode = "sampled" if args.sampled else "greedy"
     out = {"benchmark": f"speculation knob sweep ({mode})", "machine": machine(), "mode": mode,
            "n_prompts": len(prompts), "new_tokens": args.new_tokens,
            "plain_median_tokens_per_s": statistics.median(plain_tps), "rows": rows, "best": best}

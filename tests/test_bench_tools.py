@@ -1,0 +1,85 @@
+"""The benchmark plumbing: the progress bar's log output and the PNG plots (no models loaded)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+sys.path.insert(0, BENCH)
+
+from common import ProgressBar  # noqa: E402
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_progress_log_lines_are_few_and_end_with_the_total():
+    out, clock = io.StringIO(), FakeClock()
+    bar = ProgressBar(100, "[greedy]", "prompts", stream=out, tty=False, clock=clock)
+    for _ in range(100):
+        clock.t += 0.5
+        bar.update(1, status="staged")
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert 5 <= len(lines) <= 12, lines  # every 10% (or 10 s), not every step
+    assert lines[-1].startswith("[greedy] 100/100 prompts (100%)") and "done" in lines[-1]
+    assert "\r" not in out.getvalue()
+
+
+def test_progress_bar_redraws_in_place_on_a_terminal():
+    out, clock = io.StringIO(), FakeClock()
+    with ProgressBar(4, "[sweep]", "shapes", stream=out, tty=True, clock=clock) as bar:
+        for _ in range(4):
+            clock.t += 1.0
+            bar.update(1)
+    text = out.getvalue()
+    assert text.count("\r") == 5 and text.endswith("\n")
+    assert "|####################|  4/4 shapes" in text and "ETA" in text
+
+
+def _tiny_results(d) -> None:
+    runs = {"runs": []}
+    modes = {}
+    for mode in ("greedy", "sampled"):
+        rows = {}
+        for i, s in enumerate(("hf", "hf_assisted", "plain", "chain", "tree", "staged")):
+            rows[s] = {"median_tokens_per_s": 100.0 + 50 * i, "median_speedup_vs_hf": 1.0 + 0.5 * i, **runs}
+            if s in ("chain", "tree", "staged"):
+                rows[s]["accepted_length_histogram"] = {"1": 5, "2": 3, str(3 + i): 2}
+        modes[mode] = rows
+    machine = {"cpu": "Test CPU", "cores": 2, "torch": "x", "torch_threads": 2}
+    with open(os.path.join(d, "e2e.json"), "w") as f:
+        json.dump({"machine": machine, "n_prompts": 4, "new_tokens": 16, "modes": modes}, f)
+    curve = {str(n): {"seconds": 1e-3 * (1 + 0.1 * n), "relative_to_1": 1 + 0.1 * (n - 1)} for n in (1, 2, 4, 8)}
+    with open(os.path.join(d, "forward_cost.json"), "w") as f:
+        json.dump({"machine": machine, "prefix": 16, "curves": {"native": curve, "stock torch": curve}}, f)
+
+
+def test_plots_write_three_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    import plots
+
+    _tiny_results(str(tmp_path))
+    assert plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")]) == 0
+    names = sorted(os.listdir(tmp_path / "png"))
+    assert names == ["e2e_accepted_lengths.png", "e2e_speedup.png", "forward_cost.png"]
+    for name in names:
+        with open(tmp_path / "png" / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_without_matplotlib_say_how_to_get_it(monkeypatch, capsys):
+    import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    assert plots.main([]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
