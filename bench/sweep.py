@@ -21,13 +21,19 @@ from e2e import load_prompts  # noqa: E402
 
 
 def grid() -> list[tuple[str, dict]]:
-    shapes = [("chain", {"chain_length": k}) for k in (2, 3, 4, 6)]
-    for budget, depth, expand in itertools.product((6, 8, 12, 16, 24), (4, 6, 8), (2, 4)):
+    """Chains of 2-10; trees of 4-16 nodes (narrow and wide); staged shapes from a chain drafted
+    with n-gram help (children 1) to trees with n-gram mini-trees of several widths."""
+    shapes = [("chain", {"chain_length": k}) for k in (2, 3, 4, 6, 8, 10)]
+    for budget, depth, children in itertools.product((4, 6, 8, 12, 16), (3, 5, 8), (2, 4)):
         if depth < budget:
-            shapes.append(("tree", dict(budget=budget, max_depth=depth, children=4, expand=expand)))
-    for budget, depth in itertools.product((8, 12, 16), (6, 8)):
-        for widths in ((12, 7, 4, 1, 1, 1), (6, 3, 1, 1, 1), (4, 2, 1, 1)):
-            shapes.append(("staged", dict(budget=budget, max_depth=depth, children=4, expand=4,
+            shapes.append(("tree", dict(budget=budget, max_depth=depth, children=children,
+                                        expand=children)))
+    for depth in (4, 6, 8, 10):
+        shapes.append(("staged", dict(budget=depth + 1, max_depth=depth, children=1, expand=1,
+                                      ngram_widths=(1,) * depth)))
+    for budget, depth in itertools.product((6, 8, 12), (5, 8)):
+        for widths in ((1, 1, 1, 1, 1), (2, 1, 1, 1, 1), (4, 2, 1, 1), (12, 7, 4, 1, 1, 1)):
+            shapes.append(("staged", dict(budget=budget, max_depth=depth, children=2, expand=2,
                                           ngram_widths=widths)))
     return shapes
 

@@ -27,16 +27,16 @@ STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
 DEFAULT_SHAPES = {
     "greedy": {
         "chain": TreeShape(budget=11, max_depth=10, children=1, expand=1),
-        "tree": TreeShape(budget=12, max_depth=8, children=2, expand=2),
-        "staged": TreeShape(budget=11, max_depth=10, children=1, expand=1),
+        "tree": TreeShape(budget=4, max_depth=3, children=2, expand=2),
+        "staged": TreeShape(budget=7, max_depth=6, children=1, expand=1),
     },
     "sampled": {
         "chain": TreeShape(budget=3, max_depth=2, children=1, expand=1),
         "tree": TreeShape(budget=4, max_depth=3, children=4, expand=4),
-        "staged": TreeShape(budget=6, max_depth=5, children=2, expand=2),
+        "staged": TreeShape(budget=5, max_depth=4, children=1, expand=1),
     },
 }
-DEFAULT_NGRAM_WIDTHS = {"greedy": (1,) * 10, "sampled": (1,) * 5}
+DEFAULT_NGRAM_WIDTHS = {"greedy": (1,) * 6, "sampled": (1,) * 4}
 SPEC_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length", "ngram_widths", "ngram_learn")
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo")
 
