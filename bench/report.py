@@ -115,6 +115,8 @@ def render() -> str:
             if name == "forward_cost.json":
                 parts += _plot("forward_cost.png", "oracle forward time against tree nodes")
     for name, title in (("dsbd.json", "DSBD against beam sampling (`staged-engine bench dsbd`)"),
+                        ("dsbd_static.json", "DSBD with the width fixed at W: beam sampling's own law "
+                         "(`staged-engine bench dsbd --options '{\"dsbd\": {\"dynamic\": false}}'`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
         r = _load(name)
