@@ -67,7 +67,7 @@ def plot_e2e_speedup(plt, d: dict, path: str) -> str | None:
     systems = [s for s in _systems(d) if any(key in d["modes"][m].get(s, {}) for m in modes)]
     if not systems:
         return None
-    fig, ax = plt.subplots(figsize=(max(8.0, 1.3 * len(systems) * max(1, len(modes)) ** 0.5 + 2), 5.2))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(systems) * len(modes) + 1.0), 5.2))
     width = 0.8 / len(modes)
     top = max(d["modes"][m][s][key] for m in modes for s in systems if key in d["modes"][m].get(s, {}))
     for j, mode in enumerate(modes):
@@ -79,19 +79,20 @@ def plot_e2e_speedup(plt, d: dict, path: str) -> str | None:
                 ys.append(r[key])
                 tps.append(r.get("median_tokens_per_s"))
         bars = ax.bar(xs, ys, width * 0.92, label=mode, color=_color(j, mode, MODE_COLORS), zorder=2)
-        for b, y, tp in zip(bars, ys, tps):
-            ax.annotate(f"{y:.2f}x", (b.get_x() + b.get_width() / 2, y), xytext=(0, 2),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=8.5,
-                        fontweight="bold")
-            if tp is not None and y > 0.3 * top:  # tokens/s inside the bar when it fits
-                ax.text(b.get_x() + b.get_width() / 2, y / 2, f"{tp:.0f} tok/s", rotation=90,
-                        ha="center", va="center", fontsize=7.5, color="white")
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, zorder=3)
+        for b, y, tp in zip(bars, ys, tps):  # above each bar: speedup, and tokens/s under it
+            x = b.get_x() + b.get_width() / 2
+            label = dict(xycoords="data", textcoords="offset points", ha="center", va="bottom", zorder=4,
+                         bbox=dict(boxstyle="square,pad=0.05", facecolor="white", edgecolor="none"))
+            if tp is not None:
+                ax.annotate(f"{tp:.0f} tok/s", (x, y), xytext=(0, 2), fontsize=7, color="#444444", **label)
+            ax.annotate(f"{y:.2f}x", (x, y), xytext=(0, 11 if tp is not None else 2), fontsize=8.5,
+                        fontweight="bold", **label)
+    ax.axhline(1.0, color="#555555", linestyle="--", linewidth=1, zorder=3)
     ax.set_xticks(range(len(systems)), systems)
     ax.set_xlim(-0.6, len(systems) - 0.4)
-    ax.set_ylim(0, top * 1.12)
+    ax.set_ylim(0, top * 1.18)
     ax.set_ylabel(f"speedup vs {'HF generate' if base == 'hf' else 'our plain decoding'} (median over prompts)")
-    ax.set_xlabel("system (bars: median tokens/s)")
+    ax.set_xlabel("system (labels: median speedup, median tokens/s)")
     ax.grid(axis="y", alpha=0.3, zorder=0)
     ax.legend(title="mode", loc="upper left")
     ax.set_title(f"End-to-end decoding speed: {_machine(d)}\n"
@@ -135,6 +136,8 @@ def plot_accepted_lengths(plt, d: dict, path: str) -> str | None:
         ax.set_title(mode)
         ax.grid(axis="y", alpha=0.3, zorder=0)
         ax.legend(fontsize=8.5, loc="upper left")
+    top = max(v / sum(h.values()) for hs in hists.values() for h in hs.values() for v in h.values())
+    axes[0][0].set_ylim(0, top / 0.72)  # headroom: the legend sits above the bars
     axes[0][0].set_ylabel("fraction of oracle calls")
     fig.suptitle(f"Accepted lengths: {_machine(d)}; {d.get('n_prompts', '?')} prompts x "
                  f"{d.get('new_tokens', '?')} new tokens", fontsize=11)
