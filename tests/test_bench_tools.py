@@ -1,6 +1,7 @@
 """The benchmark plumbing: the progress bar's log output and the PNG plots (no models loaded)."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -9,9 +10,18 @@ import sys
 import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-sys.path.insert(0, BENCH)
 
-from common import ProgressBar  # noqa: E402
+
+def _bench_module(name: str):
+    """bench/<name>.py by path: putting bench/ on sys.path would let bench/kernels.py shadow
+    the kernels package for the rest of the session."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ProgressBar = _bench_module("common").ProgressBar
 
 
 class FakeClock:
@@ -66,7 +76,7 @@ def _tiny_results(d) -> None:
 
 def test_plots_write_three_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    import plots
+    plots = _bench_module("plots")
 
     _tiny_results(str(tmp_path))
     assert plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")]) == 0
@@ -78,7 +88,7 @@ def test_plots_write_three_pngs(tmp_path):
 
 
 def test_plots_without_matplotlib_say_how_to_get_it(monkeypatch, capsys):
-    import plots
+    plots = _bench_module("plots")
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     assert plots.main([]) == 2
