@@ -192,7 +192,7 @@ class ModelDrafter:
                 tokens.append(tree.tokens[node])
                 positions.append(root_position + tree.depths[node])
                 expand_rows.append((len(tokens) - 1, node))
-            mini = self._hang_mini_tree(tree, slot, frontier, expand_rows, tokens, positions,
+            mini = self._hang_mini_tree(tree, expand_rows, tokens, positions,
                                         slots, first_slot, root_position, max_depth, room)
             logits = runner.forward_nodes(tokens, positions, slots.mask(first_slot, runner.device))
             # Children of every evaluated row; n-gram rows only count where the draft agrees.
@@ -221,15 +221,15 @@ class ModelDrafter:
             out.add(new_index[tree.parents[old]], tree.tokens[old])
         return out, keep, state
 
-    def _hang_mini_tree(self, tree: Tree, slot: list[int], frontier: set[int],
-                        expand_rows: list[tuple[int, int]], tokens: list[int], positions: list[int],
+    def _hang_mini_tree(self, tree: Tree, expand_rows: list[tuple[int, int]], tokens: list[int],
+                        positions: list[int],
                         slots: _Slots, first_slot: int, root_position: int, max_depth: int,
                         room: int) -> list[tuple[int, int, int]]:
         """Append the inner drafter's mini-tree below the tip of the most likely path to this
         pass's batch. Returns (batch row, parent batch row, token) per appended node."""
         if self.inner is None:
             return []
-        tip = self._tip(tree, slot, frontier)
+        tip = self._tip(tree)
         tip_row = next((r for r, n in expand_rows if n == tip), None)
         if tip_row is None or tree.depths[tip] >= max_depth:  # the tip is not in this pass
             return []
@@ -271,7 +271,8 @@ class ModelDrafter:
             slot.append(-1)
             frontier.add(child)
 
-    def _tip(self, tree: Tree, slot: list[int], frontier: set[int]) -> int:
+    @staticmethod
+    def _tip(tree: Tree) -> int:
         """First unexpanded node on the most likely path (best child at every step).
 
         Children are added right after a node's pass, so walking down best children stops at a

@@ -119,11 +119,11 @@ def _top(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals[..., :k], idx[..., :k]
 
 
-def kept_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens top-k keeps and their log p' (top-p removals at -inf): ((..., k) float32 log
-    probs in descending order, (..., k) int64 ids). Needs 0 < top_k < V and temperature > 0."""
+def kept_logprobs(logits: torch.Tensor, params: SamplingParams, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens and their log p' (top-p removals at -inf): ((..., k) float32 log
+    probs in descending order, (..., k) int64 ids). Needs 0 < k <= V and temperature > 0."""
     z = logits.float() / params.temperature
-    vals, idx = _top(z, params.top_k)
+    vals, idx = _top(z, k)
     logp = torch.log_softmax(vals, dim=-1)
     if params.top_p < 1.0:
         mass_before = torch.cumsum(logp.exp(), dim=-1) - logp.exp()
@@ -150,9 +150,7 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     k = params.top_k if 0 < params.top_k < vocab else vocab
     if k == vocab and params.top_p >= 1.0:
         return torch.log_softmax(logits.float() / params.temperature, dim=-1)
-    if k == vocab:
-        params = SamplingParams(params.temperature, vocab, params.top_p, params.seed)
-    logp, idx = kept_logprobs(logits, params)
+    logp, idx = kept_logprobs(logits, params, k)
     out = torch.full(logits.shape, float("-inf"), dtype=torch.float32, device=logits.device)
     return out.scatter_(-1, idx, logp)
 
@@ -208,12 +206,11 @@ def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,
         return logits.argmax(dim=-1)
     if noise is None:
         raise ValueError("sampling at temperature > 0 needs a NoiseTable")
-    vocab = logits.shape[-1]
-    if _sparse(params, vocab):
-        logp, idx = kept_logprobs(logits, params)
-        scores = logp + noise.at_ids(positions, idx)
+    sparse = perturbed_top(logits, positions, params, noise)
+    if sparse is not None:
+        idx, scores = sparse
         best = scores.max(dim=-1, keepdim=True).values
-        return torch.where(scores == best, idx, vocab).min(dim=-1).values  # ties: smallest id
+        return torch.where(scores == best, idx, logits.shape[-1]).min(dim=-1).values  # ties: smallest id
     scores = processed_logprobs(logits, params) + noise.rows(positions)
     return scores.argmax(dim=-1)
 
@@ -232,5 +229,5 @@ def perturbed_top(logits: torch.Tensor, positions: list[int], params: SamplingPa
     (N, k) scores); the other tokens score -inf. None when every token needs scoring."""
     if not _sparse(params, logits.shape[-1]):
         return None
-    logp, idx = kept_logprobs(logits, params)
+    logp, idx = kept_logprobs(logits, params, params.top_k)
     return idx, logp + noise.at_ids(positions, idx)
