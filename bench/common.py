@@ -82,6 +82,15 @@ def save(result: dict, name: str) -> str:
     return path
 
 
+def publish(result: dict, markdown: str, name: str) -> str:
+    """Attach the markdown table to ``result``, save it under bench/results/, print both."""
+    result["markdown"] = markdown
+    path = save(result, name)
+    print(markdown)
+    print(f"saved {path}")
+    return path
+
+
 def progress(msg: str) -> None:
     """A one-off message on stderr; loops over prompts or configs use :class:`ProgressBar`."""
     print(msg, file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ProgressBar, add_model_and_prompt_args, fmt, machine, progress, save  # noqa: E402
+from common import ProgressBar, add_model_and_prompt_args, fmt, machine, progress, publish  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPT_SETS = {"stdlib": os.path.join(HERE, "prompts", "stdlib_val.jsonl"),
@@ -247,11 +247,7 @@ def main(argv=None) -> int:
     if "plain" not in args.systems:
         args.systems = ["plain"] + args.systems  # the reference for identity and speedups
     result = run(args)
-    md = markdown(result)
-    result["markdown"] = md
-    path = save(result, args.out)
-    print(md)
-    print(f"saved {path}")
+    publish(result, markdown(result), args.out)
     return 0
 
 

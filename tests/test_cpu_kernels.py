@@ -140,7 +140,7 @@ def test_top_children_matches_sorted_log_softmax(n, v, k):
     vals, order = torch.sort(ref, dim=-1, descending=True, stable=True)  # ties: smaller id first
     assert torch.equal(idx, order[:, :k])
     torch.testing.assert_close(logr.double(), vals[:, :k], rtol=1e-6, atol=1e-6)
-    assert idx[-1, :3].tolist() == [3, 5, 9][:k] or k < 3
+    assert idx[-1, :min(k, 3)].tolist() == [3, 5, 9][:k]  # the tie, smaller ids first
 
 
 def test_top_children_rows_with_few_finite_entries():
