@@ -21,6 +21,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="fixes the sampled sequence (any strategy)")
     g.add_argument("--num-beams", type=int, default=1, help="beams for --strategy beam/dsbd")
     g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-text token")
+    g.add_argument("--token-healing", action="store_true",
+                   help="back up over the prompt's last token and let the first new token extend it")
     s = p.add_argument_group("speculation knobs (defaults measured on the demo pair)")
     s.add_argument("--budget", type=int, help="tree nodes per oracle pass, root included")
     s.add_argument("--max-depth", type=int, help="deepest tree node")
@@ -47,6 +49,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                    help="kernels: triton on CUDA, torch on CPU (auto)")
+
+
+def _cmd_demo(args) -> int:
+    from . import demo
+
+    return demo.run(args)
 
 
 def _load_engine(args):
@@ -94,7 +102,8 @@ def _cmd_generate(args) -> int:
         prompt = [int(x) for x in prompt.replace(",", " ").split()]
     kwargs = dict(max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                  num_beams=args.num_beams, stop_at_eos=not args.no_eos, **_options(args))
+                  num_beams=args.num_beams, stop_at_eos=not args.no_eos, token_healing=args.token_healing,
+                  **_options(args))
     if args.stream and eng.tokenizer is not None:
         for piece in eng.stream(prompt, **kwargs):
             sys.stdout.write(piece)
@@ -123,14 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("demo", help="generate from a few prompts with the embedded demo pair and show the speedup",
-                       description="Load the embedded demo oracle/draft pair (trained on the Python "
-                                   "standard library), generate code from a few prompts with plain "
-                                   "decoding and with staged speculation, and print text and speed.")
+                       description="Load the embedded demo oracle/draft pair (trained here on Python "
+                                   "source), generate code from a few prompts with plain decoding and "
+                                   "with staged speculation, greedy and seeded sampling, and print the "
+                                   "text, the speed of both and whether the outputs are identical.")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default 96)")
     p.add_argument("--prompts", type=int, default=3, help="how many built-in prompts to run (default 3)")
     p.add_argument("--strategy", choices=("chain", "tree", "staged"), default="staged",
                    help="speculative strategy compared with plain decoding (default staged)")
-    p.set_defaults(func=lambda a: __import__("staged_engine.demo", fromlist=["run"]).run(a))
+    p.add_argument("--seed", type=int, default=7, help="seed of the sampled half (default 7)")
+    p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate from a prompt with any strategy; prints the text and, on "
@@ -144,19 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(p)
     p.set_defaults(func=_cmd_generate)
 
-    for module, attr in (("staged_engine.ngram", "register_cli"), ("staged_engine.train", "register_cli"),
-                         ("staged_engine.bench_cli", "register_cli")):
-        try:
-            mod = __import__(module, fromlist=[attr])
-        except ImportError:
-            continue
-        getattr(mod, attr)(sub)
+    from . import bench_cli, ngram
+    from .training import train
+
+    for mod in (ngram, train, bench_cli):
+        mod.register_cli(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # recorded by train-demo
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
