@@ -13,7 +13,7 @@ from .backend import Backend, make_backend
 from .checkpoint import load_model, load_tokenizer
 from .model import GPT2
 from .runner import ModelRunner
-from .sampling import NoiseTable, SamplingParams
+from .sampling import NoiseTable, SamplingParams, choose
 from .drafters import ModelDrafter, NGramDrafter, TreeShape
 from .dsbd import make_beam_decoder
 from .strategies import Decoder, PlainDecoder, SpeculativeDecoder
@@ -38,6 +38,9 @@ DEFAULT_SHAPES = {
 }
 DEFAULT_NGRAM_WIDTHS = {"greedy": (1,) * 6, "sampled": (1,) * 4}
 SPEC_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length", "ngram_widths", "ngram_learn")
+# Token healing favours keeping the prompt's own last token by this many logits, as HF
+# transformers does, so that 'http' is not healed to 'https' on a whim.
+HEALING_KEEP_BONUS = 1.0
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo")
 
 
@@ -102,6 +105,7 @@ class Engine:
         eos = oracle.config.eos_token_id
         self.eos_token_id = eos if isinstance(eos, int) and 0 <= eos < oracle.config.vocab_size else None
         self._runners: dict[str, ModelRunner] = {}
+        self._healer = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -240,10 +244,36 @@ class Engine:
                              "Engine.from_pretrained (build one with `staged-engine ngram-build`)")
         return self.ngram
 
+    def healer(self):
+        """The token-healing helper of this engine's tokenizer (built on first use)."""
+        if self._healer is None:
+            if self.tokenizer is None:
+                raise ValueError("token_healing needs a tokenizer (tokenizer.json in the oracle directory)")
+            from .healing import TokenHealer
+
+            self._healer = TokenHealer(self.tokenizer, self.config.vocab_size)
+        return self._healer
+
+    def _heal(self, ids: list[int], params: SamplingParams, noise: NoiseTable | None) -> tuple[list[int], int] | None:
+        """(prompt without its last token, the healed first token), or None when there is nothing
+        to heal (a one-token prompt, or a last token with no byte-level extension)."""
+        if len(ids) < 2:
+            return None
+        allowed = self.healer().extensions(ids[-1])
+        if not allowed:
+            return None
+        trimmed = ids[:-1]
+        logits = self.logits(trimmed)[-1]
+        masked = self.healer().mask(logits, allowed)
+        masked[ids[-1]] += HEALING_KEEP_BONUS
+        return trimmed, int(choose(masked[None], [len(trimmed)], params, noise)[0])
+
     def _rounds(self, prompt, max_new_tokens: int, strategy: str, temperature: float, top_k: int,
                 top_p: float, seed: int | None, num_beams: int, stop_at_eos: bool,
-                options: dict, stats: dict) -> Iterator[list[int]]:
-        """Validate, then yield the new tokens of each round; fills ``stats`` as it goes."""
+                options: dict, stats: dict, token_healing: bool = False) -> Iterator[list[int]]:
+        """Validate, then yield the new tokens of each round; fills ``stats`` as it goes. With
+        ``token_healing`` the first yield is the healed token alone, and ``stats["healed_token"]``
+        names the prompt token it replaced."""
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         _check_int("max_new_tokens", max_new_tokens, 1)
@@ -253,6 +283,8 @@ class Engine:
         if seed is None and temperature > 0:
             seed = random.getrandbits(63)
         params = SamplingParams(temperature, top_k, top_p, seed)
+        if not isinstance(token_healing, bool):
+            raise ValueError(f"token_healing must be True or False, got {token_healing!r}")
         ids = self.encode(prompt)
         noise = None if params.greedy else NoiseTable(params.seed, self.config.vocab_size, self.device)
         decoder = self._decoder(strategy, params, noise, dict(options), num_beams)
@@ -260,12 +292,18 @@ class Engine:
         t0 = time.perf_counter()
         produced = 0
         finish = "length"
+        healed = self._heal(ids, params, noise) if token_healing else None
+        if healed is not None:
+            stats["healed_token"] = ids[-1]
+            ids = healed[0] + [healed[1]]
+            produced = 1
+            yield [healed[1]]
         with torch.inference_mode():
             decoder.start(ids)
             prefill_seconds = time.perf_counter() - t0
             prefill_calls = decoder.oracle.calls
             while True:
-                remaining = min(max_new_tokens - produced, n_ctx - len(ids) - produced)
+                remaining = min(max_new_tokens - produced, n_ctx - len(ids) - produced + (healed is not None))
                 if remaining <= 0:
                     finish = "length" if produced >= max_new_tokens else "context"
                     break
@@ -285,10 +323,10 @@ class Engine:
         stats.update(
             strategy=strategy, new_tokens=produced, oracle_calls=calls,
             draft_calls=decoder.draft_calls(),
-            tokens_per_oracle_call=produced / calls if calls else 0.0,
+            tokens_per_oracle_call=(produced - (healed is not None)) / calls if calls else 0.0,
             seconds=seconds, decode_seconds=seconds - prefill_seconds,
             tokens_per_second=produced / max(seconds - prefill_seconds, 1e-9),
-            prefill_tokens=len(ids) - 1, finish_reason=finish,
+            prefill_tokens=len(ids) - 1 - (healed is not None), finish_reason=finish,
             forward_seconds=forward,
             overhead_share=max(0.0, 1.0 - forward / seconds) if seconds > 0 else 0.0,
             accepted_lengths=list(decoder.accepted_lengths),
@@ -302,26 +340,35 @@ class Engine:
     def generate(self, prompt, max_new_tokens: int = 128, strategy: str = "staged",
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, num_beams: int = 1, stop_at_eos: bool = True,
-                 **options) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` new tokens; see README for strategies and options."""
+                 token_healing: bool = False, **options) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` new tokens; see README for strategies and options.
+
+        With ``token_healing`` the prompt's last token is removed and the first new token is
+        constrained to start with its bytes; ``token_ids`` then begins with that token and
+        ``text`` is what follows the prompt."""
         stats: dict = {}
         tokens: list[int] = []
         for new in self._rounds(prompt, max_new_tokens, strategy, temperature, top_k, top_p,
-                                seed, num_beams, stop_at_eos, options, stats):
+                                seed, num_beams, stop_at_eos, options, stats, token_healing):
             tokens.extend(new)
-        return GenerationResult(tokens, self.decode(tokens), stats)
+        return GenerationResult(tokens, self._text(tokens, stats), stats)
+
+    def _text(self, tokens: list[int], stats: dict) -> str | None:
+        if "healed_token" in stats and tokens:
+            return self.healer().text_after(stats["healed_token"], tokens)
+        return self.decode(tokens)
 
     def stream(self, prompt, max_new_tokens: int = 128, strategy: str = "staged",
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, num_beams: int = 1, stop_at_eos: bool = True,
-               **options) -> Iterator[str]:
+               token_healing: bool = False, **options) -> Iterator[str]:
         """Text pieces as rounds complete; never splits a UTF-8 character. Needs a tokenizer."""
         if self.tokenizer is None:
             raise ValueError("stream needs a tokenizer (tokenizer.json in the oracle directory)")
-        streamer = TextStreamer(self.decode)
         stats: dict = {}
+        streamer = TextStreamer(lambda toks: self._text(toks, stats))
         for new in self._rounds(prompt, max_new_tokens, strategy, temperature, top_k, top_p,
-                                seed, num_beams, stop_at_eos, options, stats):
+                                seed, num_beams, stop_at_eos, options, stats, token_healing):
             piece = streamer.push(new)
             if piece:
                 yield piece
