@@ -211,8 +211,9 @@ def add_model_and_prompt_args(ap) -> None:
     ap.add_argument("--oracle", help="oracle checkpoint directory (default: the demo pair)")
     ap.add_argument("--draft", help="draft checkpoint directory")
     ap.add_argument("--ngram", help="n-gram table for the staged strategy")
-    ap.add_argument("--prompt-sets", nargs="+", default=["stdlib", "humaneval"],
-                    help="stdlib, humaneval, or paths to JSONL files with a 'prompt' field")
+    ap.add_argument("--prompt-sets", nargs="+", default=["heldout", "humaneval"],
+                    help="heldout (docstring prompts from packages the demo pair never saw), humaneval, "
+                         "or paths to JSONL files with a 'prompt' field")
     ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
     ap.add_argument("--new-tokens", type=int, default=128)
 
@@ -220,3 +221,31 @@ def add_model_and_prompt_args(ap) -> None:
 def fmt(x, unit: str = "", digits: int = 2) -> str:
     """A table cell: empty for None, else the number with ``digits`` decimals and ``unit``."""
     return "" if x is None else f"{x:.{digits}f}{unit}"
+
+
+PROMPT_SETS = {"heldout": os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "heldout.jsonl"),
+               "humaneval": os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", "humaneval.jsonl")}
+
+
+def load_prompts(sets: list[str], limit: int | None) -> list[dict]:
+    """Prompts of the named sets (first ``limit`` of each), exactly as written: a prompt that
+    ends in a newline keeps it, as a user's would."""
+    out = []
+    for name in sets:
+        path = PROMPT_SETS.get(name, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"prompt set {name!r}: {path} not found")
+        with open(path, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        out.extend({"set": os.path.basename(name), "id": r.get("task_id", str(i)), "prompt": r["prompt"]}
+                   for i, r in enumerate(rows[:limit]))
+    return out
+
+
+def loops(text: str) -> bool:
+    """A continuation loops if a non-blank line repeats 4 or more times, or if it holds fewer
+    than 8 distinct words (the definition of issue 13's acceptance line 3)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if any(lines.count(ln) >= 4 for ln in set(lines)):
+        return True
+    return len(set(text.split())) < 8

@@ -39,29 +39,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ProgressBar, add_model_and_prompt_args, fmt, machine, progress, publish  # noqa: E402
+from common import (ProgressBar, add_model_and_prompt_args, fmt, load_prompts, machine,  # noqa: E402
+                    progress, publish)  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROMPT_SETS = {"stdlib": os.path.join(HERE, "prompts", "stdlib_val.jsonl"),
-               "humaneval": os.path.join(HERE, "prompts", "humaneval.jsonl")}
 SYSTEMS = ("dsbd", "dsbd_memory", "beam", "beam_rows", "plain", "staged", "hf_beam_sample")
 BASELINES = ("beam", "beam_rows")  # speedups are reported against both
 HF_NOTE = ("hf_beam_sample is HF transformers generate(num_beams=W, do_sample=True): a different law "
            "from beam sampling (ALGORITHMS.md sec. 9) - it samples 2W candidates per step without "
            "replacement and keeps the W best by score - shown for reference only.")
-
-
-def load_prompts(sets: list[str], limit: int | None) -> list[dict]:
-    out = []
-    for name in sets:
-        path = PROMPT_SETS.get(name, name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"prompt set {name!r}: {path} not found")
-        with open(path, encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        out.extend({"set": name, "id": r.get("task_id", str(i)), "prompt": r["prompt"]}
-                   for i, r in enumerate(rows[:limit]))
-    return out
 
 
 def random_prompts(vocab: int, n: int) -> list[dict]:

@@ -1,14 +1,14 @@
 """End-to-end decoding speed: the engine's strategies against HuggingFace transformers.
 
 Systems, side by side in one run on the same weights, prompts, precision (fp32) and number of
-new tokens: HF `generate` (greedy, or top-k 50 at T = 1 with --mode sampled), HF assisted
+new tokens: HF `generate` (greedy, top-k 50 at T = 1, or top-p 0.95 at T = 0.8), HF assisted
 generation with the same draft, HF prompt-lookup decoding, and the engine's plain, chain, tree
 and staged strategies. Greedy outputs of every system are compared with the engine's plain
 output (a difference counts as a tie when the oracle's top-2 logits at the first divergence are
 within 1e-4). Per system: median tokens/s over prompts (after a warm-up), median speedup over HF
 generate and over our plain, tokens per oracle call, relative memory traffic, overhead share.
 
-    python bench/e2e.py                          # demo pair, both prompt sets, greedy + sampled
+    python bench/e2e.py                          # demo pair, both prompt sets, all three modes
     python bench/e2e.py --oracle DIR --draft DIR --ngram FILE --limit 20 --systems plain staged
 """
 from __future__ import annotations
@@ -23,33 +23,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ProgressBar, add_model_and_prompt_args, fmt, machine, progress, publish  # noqa: E402
+from common import (ProgressBar, add_model_and_prompt_args, fmt, load_prompts, loops, machine,  # noqa: E402
+                    progress, publish)  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROMPT_SETS = {"stdlib": os.path.join(HERE, "prompts", "stdlib_val.jsonl"),
-               "humaneval": os.path.join(HERE, "prompts", "humaneval.jsonl")}
 ENGINE_SYSTEMS = ("plain", "chain", "tree", "staged")
 HF_SYSTEMS = ("hf", "hf_assisted", "hf_lookup")
 TIE = 1e-4
-
-
-def load_prompts(sets: list[str], limit: int | None) -> list[dict]:
-    """Prompts of the named sets (first ``limit`` of each).
-
-    Trailing newlines are stripped: a GPT-2 byte-level pre-tokenizer merges a newline with the
-    indentation after it, so a prompt ending in a bare newline ends on a token that training text
-    almost never ends a line with, and the demo models answer it with a run of newlines.
-    """
-    out = []
-    for name in sets:
-        path = PROMPT_SETS.get(name, name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"prompt set {name!r}: {path} not found")
-        with open(path, encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        out.extend({"set": os.path.basename(name), "id": r.get("task_id", str(i)),
-                    "prompt": r["prompt"].rstrip("\n")} for i, r in enumerate(rows[:limit]))
-    return out
+# The sampled modes: (engine knobs, HF generate knobs). Greedy needs none.
+SAMPLED_MODES = {"sampled": (dict(temperature=1.0, top_k=50), dict(top_k=50, temperature=1.0)),
+                 "topp": (dict(temperature=0.8, top_p=0.95), dict(top_k=0, top_p=0.95, temperature=0.8))}
 
 
 class HFRunner:
@@ -66,12 +49,12 @@ class HFRunner:
                 m.generation_config.eos_token_id = None
                 m.generation_config.pad_token_id = 0
 
-    def run(self, system: str, ids: list[int], new_tokens: int, sampled: bool, seed: int) -> list[int]:
+    def run(self, system: str, ids: list[int], new_tokens: int, mode: str, seed: int) -> list[int]:
         x = torch.tensor([ids])
         kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
-        if sampled:
+        if mode in SAMPLED_MODES:
             torch.manual_seed(seed)
-            kw.update(do_sample=True, top_k=50, temperature=1.0)
+            kw.update(do_sample=True, **SAMPLED_MODES[mode][1])
         else:
             kw.update(do_sample=False)
         if system == "hf_assisted":
@@ -117,22 +100,24 @@ def run(args) -> dict:
               "new_tokens": args.new_tokens, "prompt_sets": args.prompt_sets, "n_prompts": len(encoded),
               "skipped_prompts": skipped, "options": options, "modes": {}}
     for mode in args.modes:
-        sampled = mode == "sampled"
+        sampled = mode != "greedy"
         per_system: dict[str, list[dict]] = {s: [] for s in args.systems}
         # Warm-up: one short run of every system.
         _, ids0 = encoded[0]
         for s in args.systems:
-            _run_system(eng, hf, s, ids0, 16, sampled, 0, options)
+            _run_system(eng, hf, s, ids0, 16, mode, 0, options)
         bar = ProgressBar(len(encoded), f"[{mode}]", "prompts", status_width=max(map(len, args.systems)))
         for i, (p, ids) in enumerate(encoded):
             outs = {}
             for s in args.systems:
                 bar.update(0, status=s)  # before the clock starts: the bar is never timed
                 t0 = time.perf_counter()
-                tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, sampled, i, options)
+                tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)
                 dt = time.perf_counter() - t0
                 outs[s] = tokens
                 per_system[s].append({"id": p["id"], "seconds": dt, "tokens_per_s": len(tokens) / dt, **stats})
+            if "plain" in outs:
+                per_system["plain"][-1]["loops"] = loops(eng.decode(outs["plain"]))
             if sampled and "plain" in outs:  # drafter invariance: same seed, same tokens
                 for s, toks in outs.items():
                     if s not in HF_SYSTEMS:
@@ -154,12 +139,12 @@ def run(args) -> dict:
     return result
 
 
-def _run_system(eng, hf, system, ids, new_tokens, sampled, seed, options):
+def _run_system(eng, hf, system, ids, new_tokens, mode, seed, options):
     if system in HF_SYSTEMS:
-        return hf.run(system, ids, new_tokens, sampled, seed), {}
+        return hf.run(system, ids, new_tokens, mode, seed), {}
     kw = dict(max_new_tokens=new_tokens, strategy=system, stop_at_eos=False)
-    if sampled:
-        kw.update(temperature=1.0, top_k=50, seed=seed)
+    if mode in SAMPLED_MODES:
+        kw.update(seed=seed, **SAMPLED_MODES[mode][0])
     res = eng.generate(ids, **kw, **options.get(system, {}))
     s = res.stats
     keep = ("oracle_calls", "draft_calls", "tokens_per_oracle_call", "relative_memory_traffic",
@@ -193,6 +178,8 @@ def _summarise(per_system: dict, eng, systems) -> dict:
                 for a in r["accepted_lengths"]:
                     hist[a] = hist.get(a, 0) + 1
             row["accepted_length_histogram"] = dict(sorted(hist.items()))
+        if "loops" in runs[0]:
+            row["loop_share"] = sum(r["loops"] for r in runs) / len(runs)
         if "identical" in runs[0]:
             row["identical"] = sum(r["identical"] for r in runs)
             row["ties"] = sum(bool(r.get("tie")) for r in runs)
@@ -207,8 +194,10 @@ def markdown(result: dict) -> str:
     lines = []
     m = result["machine"]
     for mode, rows in result["modes"].items():
+        loop = rows.get("plain", {}).get("loop_share")
         lines.append(f"**{mode}** ({result['n_prompts']} prompts x {result['new_tokens']} new tokens; "
-                     f"{m['cpu']}, {m['cores']} cores, torch {m['torch']})\n")
+                     f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}"
+                     + (f"; {100 * loop:.0f}% of plain continuations loop" if loop is not None else "") + ")\n")
         lines.append("| system | tok/s (median) | vs HF generate | vs HF assisted | vs our plain "
                      "| tokens/oracle call | rel. memory traffic | overhead share | output = our plain |")
         lines.append("|---|---|---|---|---|---|---|---|---|")
@@ -231,7 +220,8 @@ def _pct(x):
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_and_prompt_args(ap)
-    ap.add_argument("--modes", nargs="+", choices=("greedy", "sampled"), default=["greedy", "sampled"])
+    ap.add_argument("--modes", nargs="+", choices=("greedy", "sampled", "topp"), default=["greedy", "topp", "sampled"],
+                    help="greedy; sampled = top-k 50 at T 1; topp = top-p 0.95 at T 0.8")
     ap.add_argument("--systems", nargs="+", choices=HF_SYSTEMS + ENGINE_SYSTEMS,
                     default=list(HF_SYSTEMS + ENGINE_SYSTEMS))
     ap.add_argument("--options", help='JSON per-strategy options, e.g. {"staged": {"budget": 12}}')

@@ -1,4 +1,8 @@
-"""Extract HumanEval-style prompts from the VALIDATION split of the demo corpus.
+"""Extract HumanEval-style prompts from the HELD-OUT packages of the demo corpus.
+
+The held-out packages (``staged_engine.training.corpus.HELD_OUT``) never enter the demo pair's
+training, so these prompts measure code the models have not seen, as a user's would be. Each
+prompt ends in a newline, as HumanEval's do and as users write them.
 
 A prompt is the module's top-level imports, a blank line pair, then one top-level ``def``
 (decorators included) up to and including the last line of its docstring, so the model
@@ -6,23 +10,22 @@ continues with the body. Files, functions and the order are deterministic (sorte
 files, functions in source order, at most --per-file per file); a prompt longer than
 --max-tokens demo-tokenizer tokens is retried without the imports, then skipped.
 
-    PYTHONPATH=. python bench/prompts/extract.py            # writes bench/prompts/stdlib_val.jsonl
-    PYTHONPATH=. python bench/prompts/extract.py --humaneval /work/shared/data/humaneval_prompts.jsonl
+    python bench/prompts/extract.py            # writes bench/prompts/heldout.jsonl
+    python bench/prompts/extract.py --humaneval /work/shared/data/humaneval_prompts.jsonl
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import os
 import re
 import statistics
-import sys
+
+from staged_engine.training import corpus
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
-
-from staged_engine.train import list_corpus, read_texts, split_corpus, stdlib_root  # noqa: E402
 
 DEFAULT_TOKENIZER = os.path.join(os.path.dirname(os.path.dirname(HERE)), "staged_engine", "assets",
                                  "demo", "oracle", "tokenizer.json")
@@ -67,11 +70,9 @@ def extract(tokenizer_path: str, max_tokens: int, per_file: int) -> tuple[list[d
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_path)
-    root = stdlib_root()
-    _, val = split_corpus(list_corpus(root))
-    kept, texts, skipped = read_texts(root, val)
+    docs = corpus.build(log=lambda m: None).held_out
     rows, too_long = [], 0
-    for rel, text in zip(kept, texts):
+    for rel, text in sorted(docs):
         n_file = 0
         for name, full, bare in prompts_from_source(text):
             if n_file >= per_file:
@@ -80,11 +81,14 @@ def extract(tokenizer_path: str, max_tokens: int, per_file: int) -> tuple[list[d
             if len(tok.encode(prompt).ids) > max_tokens:
                 too_long += 1
                 continue
-            rows.append({"task_id": f"StdlibVal/{len(rows)}", "prompt": prompt, "source_file": rel,
+            rows.append({"task_id": f"HeldOut/{len(rows)}", "prompt": prompt, "source_file": rel,
                          "entry_point": name})
             n_file += 1
-    info = {"val_files": len(val), "val_files_read": len(kept), "skipped_non_utf8": skipped,
-            "too_long": too_long, "prompts": len(rows)}
+    # A fixed pseudo-random order, so that the first N prompts (--limit N) mix every package.
+    rows.sort(key=lambda r: hashlib.sha256(f"{r['source_file']}:{r['entry_point']}".encode()).hexdigest())
+    for i, r in enumerate(rows):
+        r["task_id"] = f"HeldOut/{i}"
+    info = {"packages": sorted(corpus.HELD_OUT), "files": len(docs), "too_long": too_long, "prompts": len(rows)}
     return rows, info
 
 
@@ -99,9 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--tokenizer", default=DEFAULT_TOKENIZER, help="demo tokenizer.json")
-    ap.add_argument("--out", default=os.path.join(HERE, "stdlib_val.jsonl"), help="JSONL to write")
+    ap.add_argument("--out", default=os.path.join(HERE, "heldout.jsonl"), help="JSONL to write")
     ap.add_argument("--max-tokens", type=int, default=400, help="longest prompt in demo tokens")
-    ap.add_argument("--per-file", type=int, default=30, help="most prompts taken from one file")
+    ap.add_argument("--per-file", type=int, default=2, help="most prompts taken from one file")
     ap.add_argument("--humaneval", default=None,
                     help="also print the token-length distribution of this HumanEval prompts JSONL")
     args = ap.parse_args(argv)
