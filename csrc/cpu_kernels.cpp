@@ -23,6 +23,12 @@
 #include <cstdint>
 #include <limits>
 #include <vector>
+#include <sstream>
+
+#define SE_CHECK(cond, ...) \
+  do {                      \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
 
 namespace {
 
@@ -258,11 +264,22 @@ void linear_impl(const float* xp, const typename W::T* wp, const float* bp, floa
   });
 }
 
+// Argument checks raise Python's ValueError through pybind11, with the message formatted here.
+// They do not go through TORCH_CHECK: on one toolchain (gcc 13.3, torch 2.11+cu130) a failed
+// TORCH_CHECK whose message formats integers killed the interpreter instead of raising, and
+// keeping the error path inside this library leaves it nothing to disagree with torch about.
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  throw pybind11::value_error(os.str());
+}
+
 void check_f32_contig(const torch::Tensor& t, const char* name, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  SE_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  SE_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+  SE_CHECK(t.is_contiguous(), name, " must be contiguous");
+  SE_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
 }
 
 }  // namespace
@@ -270,15 +287,15 @@ void check_f32_contig(const torch::Tensor& t, const char* name, int64_t dim) {
 // y (N, M) = x (N, K) @ w (M, K)^T + bias (M,); w float32 or float16, x and bias float32.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
   check_f32_contig(x, "x", 2);
-  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "weight must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kFloat16,
+  SE_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 2, "weight must be a contiguous 2-D CPU tensor");
+  SE_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kFloat16,
               "weight must be float32 or float16, got ", w.scalar_type());
   const int64_t N = x.size(0), K = x.size(1), M = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "weight has ", w.size(1), " input features, x has ", K);
+  SE_CHECK(w.size(1) == K, "weight has ", w.size(1), " input features, x has ", K);
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     check_f32_contig(*bias, "bias", 1);
-    TORCH_CHECK(bias->size(0) == M, "bias has ", bias->size(0), " entries, weight has ", M, " rows");
+    SE_CHECK(bias->size(0) == M, "bias has ", bias->size(0), " entries, weight has ", M, " rows");
     bp = bias->data_ptr<float>();
   }
   auto y = torch::empty({N, M}, x.options());
@@ -335,22 +352,22 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
                         const std::vector<int64_t>& starts, int64_t M,
                         const c10::optional<torch::Tensor>& mask, double scale) {
   check_f32_contig(q, "q", 4);
-  TORCH_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+  SE_CHECK(k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
               "k_cache and v_cache must be float32");
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "k_cache/v_cache must be (B, H, S, D)");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(),
+  SE_CHECK(k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes(), "k_cache/v_cache must be (B, H, S, D)");
+  SE_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(),
               "k_cache/v_cache need unit stride over D and equal strides");
   const int64_t B = q.size(0), H = q.size(1), N = q.size(2), D = q.size(3), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, "cache shape does not match q");
-  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "starts needs one entry per row");
-  TORCH_CHECK(M >= N, "M (uncommitted entries) must be >= N");
+  SE_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, "cache shape does not match q");
+  SE_CHECK(static_cast<int64_t>(starts.size()) == B, "starts needs one entry per row");
+  SE_CHECK(M >= N, "M (uncommitted entries) must be >= N");
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(starts[b] >= 0 && starts[b] + M <= S, "row ", b, ": slots exceed the cache");
+    SE_CHECK(starts[b] >= 0 && starts[b] + M <= S, "row ", b, ": slots exceed the cache");
   const bool* mp = nullptr;
   bool mask_per_row = false;
   if (mask.has_value() && mask->defined()) {
-    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous(), "mask must be contiguous bool");
-    TORCH_CHECK((mask->dim() == 2 && mask->size(0) == N && mask->size(1) == M) ||
+    SE_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous(), "mask must be contiguous bool");
+    SE_CHECK((mask->dim() == 2 && mask->size(0) == N && mask->size(1) == M) ||
                 (mask->dim() == 3 && mask->size(0) == B && mask->size(1) == N && mask->size(2) == M),
                 "mask must be (N, M) or (B, N, M)");
     mask_per_row = mask->dim() == 3;
@@ -448,7 +465,7 @@ torch::Tensor attention(const torch::Tensor& q, const torch::Tensor& k, const to
 std::vector<torch::Tensor> top_children(const torch::Tensor& scores, int64_t k) {
   check_f32_contig(scores, "scores", 2);
   const int64_t N = scores.size(0), V = scores.size(1);
-  TORCH_CHECK(k >= 1 && k <= V && k <= 64, "k must be in [1, min(V, 64)], got ", k);
+  SE_CHECK(k >= 1 && k <= V && k <= 64, "k must be in [1, min(V, 64)], got ", k);
   auto idx = torch::empty({N, k}, scores.options().dtype(torch::kInt64));
   auto logr = torch::empty({N, k}, scores.options());
   const float* sp = scores.data_ptr<float>();
