@@ -10,6 +10,7 @@ oracle decides what is emitted, so nothing here can change the output.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -37,6 +38,11 @@ class TreeShape:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
 
 
+# An n-gram table is shared by every generation of an Engine, and ngram_learn writes to it:
+# reads and writes of the native table are serialised (each call takes microseconds).
+_NGRAM_LOCK = threading.Lock()
+
+
 class NGramDrafter:
     """The lowest stage: mini-trees from an n-gram model; costs microseconds, has no cache."""
 
@@ -51,18 +57,21 @@ class NGramDrafter:
     def start(self, prompt: list[int]) -> None:
         self.calls = 0
         if self.learn:
-            self.ngram.update(prompt)
+            with _NGRAM_LOCK:
+                self.ngram.update(prompt)
 
     def propose(self, context: list[int]) -> tuple[list[int], list[int]]:
         """Mini-tree below the last token of ``context``: tokens, parents (-1 = the tip)."""
         self.calls += 1
-        return self.ngram.propose(context[-(self.ngram.order - 1):] if self.ngram.order > 1 else [],
-                                  self.widths)
+        with _NGRAM_LOCK:
+            return self.ngram.propose(context[-(self.ngram.order - 1):] if self.ngram.order > 1 else [],
+                                      self.widths)
 
     def observe(self, tokens: list[int], context: list[int]) -> None:
         if self.learn:
             keep = self.ngram.order - 1
-            self.ngram.update(tokens, context=context[-keep:] if keep else ())
+            with _NGRAM_LOCK:
+                self.ngram.update(tokens, context=context[-keep:] if keep else ())
 
     @property
     def forward_seconds(self) -> float:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,49 @@ class TextStreamer:
         return piece
 
 
+class StatePool:
+    """A bounded pool of generation states: each holds the KV caches (model runners) of one
+    generation in progress. The models' weights are shared and read-only; everything a
+    generation writes lives in its state, so concurrent threads and interleaved streams never
+    see each other's caches. A call that finds the pool exhausted waits for a state, up to
+    ``timeout`` seconds (None: for ever), then raises TimeoutError."""
+
+    def __init__(self, size: int, timeout: float | None) -> None:
+        self.size = _check_int("pool_size", size, 1)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout < 0):
+            raise ValueError(f"pool_timeout must be a number >= 0 or None, got {timeout!r}")
+        self.timeout = timeout
+        self._free: list[dict] = []
+        self._made = 0
+        self._cv = threading.Condition()
+
+    def acquire(self) -> dict:
+        with self._cv:
+            deadline = None if self.timeout is None else time.monotonic() + self.timeout
+            while not self._free and self._made >= self.size:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"all {self.size} generation states are in use (pool_size={self.size}) and none "
+                        f"was freed within pool_timeout={self.timeout} s; finish or close open streams, "
+                        "or construct the Engine with a larger pool_size")
+                self._cv.wait(left)
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+            return {}
+
+    def release(self, state: dict) -> None:
+        with self._cv:
+            self._free.append(state)
+            self._cv.notify()
+
+    def states(self) -> int:
+        """States allocated so far (at most ``size``)."""
+        return self._made
+
+
 def _check_int(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -87,7 +131,8 @@ class Engine:
     """An oracle model, optional drafters, a tokenizer and a backend; decoding strategies on top."""
 
     def __init__(self, oracle: GPT2, draft: GPT2 | None = None, tokenizer=None,
-                 backend: Backend | None = None, ngram=None, draft2: GPT2 | None = None) -> None:
+                 backend: Backend | None = None, ngram=None, draft2: GPT2 | None = None,
+                 pool_size: int = 4, pool_timeout: float | None = 60.0) -> None:
         self.oracle = oracle
         self.draft = draft
         self.draft2 = draft2
@@ -104,17 +149,21 @@ class Engine:
             raise ValueError("draft2 needs a draft: the cascade is oracle <- draft <- draft2")
         eos = oracle.config.eos_token_id
         self.eos_token_id = eos if isinstance(eos, int) and 0 <= eos < oracle.config.vocab_size else None
-        self._runners: dict[str, ModelRunner] = {}
+        self._pool = StatePool(pool_size, pool_timeout)
         self._healer = None
+        self._healer_lock = threading.Lock()
 
     # ---------------------------------------------------------------- construction
     @classmethod
     def from_pretrained(cls, oracle: str, draft: str | None = None, ngram: str | None = None,
                         device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-                        backend: str = "auto", draft2: str | None = None) -> "Engine":
+                        backend: str = "auto", draft2: str | None = None, pool_size: int = 4,
+                        pool_timeout: float | None = 60.0) -> "Engine":
         """Load HF GPT-2 checkpoint directories (config.json + model.safetensors).
 
-        ``draft2`` adds a third model stage between the draft and the n-gram model.
+        ``draft2`` adds a third model stage between the draft and the n-gram model. Up to
+        ``pool_size`` generations (threads, open streams) run at once, each with its own KV
+        caches; another waits up to ``pool_timeout`` seconds for one to finish.
         """
         dev = _parse_device(device)
         dt = _parse_dtype(dtype, dev)
@@ -131,10 +180,11 @@ class Engine:
             if ngram_model.vocab_size > oracle_model.config.vocab_size:
                 raise ValueError(f"ngram file {ngram}: vocabulary {ngram_model.vocab_size} exceeds "
                                  f"the oracle's {oracle_model.config.vocab_size}")
-        return cls(oracle_model, draft_model, tokenizer, be, ngram_model, draft2_model)
+        return cls(oracle_model, draft_model, tokenizer, be, ngram_model, draft2_model, pool_size, pool_timeout)
 
     @classmethod
-    def demo(cls, device: str | torch.device = "cpu", backend: str = "auto", ngram: bool = True) -> "Engine":
+    def demo(cls, device: str | torch.device = "cpu", backend: str = "auto", ngram: bool = True,
+             pool_size: int = 4, pool_timeout: float | None = 60.0) -> "Engine":
         """The embedded default pair shipped inside the package (nothing is downloaded).
 
         With ``ngram`` the staged n-gram stage is loaded from the local cache, or built from the
@@ -144,7 +194,8 @@ class Engine:
         if not os.path.isfile(os.path.join(oracle_dir, "model.safetensors")):
             raise FileNotFoundError(f"the demo models are not in this build: {oracle_dir}")
         draft_dir = os.path.join(DEMO_DIR, "draft")
-        eng = cls.from_pretrained(oracle_dir, draft=draft_dir, device=device, backend=backend)
+        eng = cls.from_pretrained(oracle_dir, draft=draft_dir, device=device, backend=backend,
+                                  pool_size=pool_size, pool_timeout=pool_timeout)
         if ngram:
             from .demo import demo_ngram
 
@@ -188,26 +239,41 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     # ---------------------------------------------------------------- decoding
-    def _runner(self, key: str, model: GPT2) -> ModelRunner:
-        runner = self._runners.get(key)
+    def _runner(self, state: dict, key: str, model: GPT2) -> ModelRunner:
+        runner = state.get(key)
         if runner is None:
             runner = ModelRunner(model, self.backend)
-            self._runners[key] = runner
+            state[key] = runner
         return runner
 
-    def _decoder(self, strategy: str, params: SamplingParams, noise: NoiseTable | None,
+    def memory(self) -> dict:
+        """Bytes of the shared weights, of one generation state (the KV caches of every model),
+        and in total with the states allocated so far (at most ``pool_size``)."""
+        def cache_bytes(m: GPT2 | None) -> int:
+            if m is None:
+                return 0
+            c = m.config
+            return 2 * c.n_layer * c.n_positions * c.n_embd * m.wte.weight.element_size()
+
+        weights = sum(sum(p.numel() * p.element_size() for p in m.parameters())
+                      for m in (self.oracle, self.draft, self.draft2) if m is not None)
+        per_state = sum(cache_bytes(m) for m in (self.oracle, self.draft, self.draft2))
+        return {"weights": weights, "per_state": per_state, "pool_size": self._pool.size,
+                "states_allocated": self._pool.states(), "total": weights + per_state * self._pool.states()}
+
+    def _decoder(self, state: dict, strategy: str, params: SamplingParams, noise: NoiseTable | None,
                  options: dict, num_beams: int = 1) -> Decoder:
-        oracle = self._runner("oracle", self.oracle)
+        oracle = self._runner(state, "oracle", self.oracle)
         if strategy == "plain":
             if options:
                 raise ValueError(f"strategy 'plain' takes no options, got {sorted(options)}")
             return PlainDecoder(oracle, params, noise)
         if strategy in ("chain", "tree", "staged"):
             return SpeculativeDecoder(oracle, params, noise,
-                                      self._drafter(strategy, params, noise, options), strategy)
+                                      self._drafter(state, strategy, params, noise, options), strategy)
         return make_beam_decoder(self, strategy, params, num_beams, options)
 
-    def _drafter(self, strategy: str, params: SamplingParams, noise: NoiseTable | None,
+    def _drafter(self, state: dict, strategy: str, params: SamplingParams, noise: NoiseTable | None,
                  options: dict) -> ModelDrafter:
         unknown = sorted(set(options) - set(SPEC_OPTIONS))
         if unknown:
@@ -232,11 +298,11 @@ class Engine:
             widths = tuple(options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS[mode]))
             inner = NGramDrafter(self._ngram_model(), widths, bool(options.get("ngram_learn", False)))
             if self.draft2 is not None:
-                inner = ModelDrafter(self._runner("draft2", self.draft2), params, noise,
+                inner = ModelDrafter(self._runner(state, "draft2", self.draft2), params, noise,
                                      TreeShape(budget=8, max_depth=4, children=2, expand=2), inner)
         elif "ngram_widths" in options or "ngram_learn" in options:
             raise ValueError(f"ngram_widths/ngram_learn are options of strategy 'staged', not {strategy!r}")
-        return ModelDrafter(self._runner("draft", self.draft), params, noise, shape, inner)
+        return ModelDrafter(self._runner(state, "draft", self.draft), params, noise, shape, inner)
 
     def _ngram_model(self):
         if self.ngram is None:
@@ -246,13 +312,14 @@ class Engine:
 
     def healer(self):
         """The token-healing helper of this engine's tokenizer (built on first use)."""
-        if self._healer is None:
-            if self.tokenizer is None:
-                raise ValueError("token_healing needs a tokenizer (tokenizer.json in the oracle directory)")
-            from .healing import TokenHealer
+        with self._healer_lock:
+            if self._healer is None:
+                if self.tokenizer is None:
+                    raise ValueError("token_healing needs a tokenizer (tokenizer.json in the oracle directory)")
+                from .healing import TokenHealer
 
-            self._healer = TokenHealer(self.tokenizer, self.config.vocab_size)
-        return self._healer
+                self._healer = TokenHealer(self.tokenizer, self.config.vocab_size)
+            return self._healer
 
     def _heal(self, ids: list[int], params: SamplingParams, noise: NoiseTable | None) -> tuple[list[int], int] | None:
         """(prompt without its last token, the healed first token), or None when there is nothing
@@ -287,12 +354,26 @@ class Engine:
             raise ValueError(f"token_healing must be True or False, got {token_healing!r}")
         ids = self.encode(prompt)
         noise = None if params.greedy else NoiseTable(params.seed, self.config.vocab_size, self.device)
-        decoder = self._decoder(strategy, params, noise, dict(options), num_beams)
+        state = self._pool.acquire()
+        try:
+            yield from self._generate_in(state, ids, params, noise, strategy, options, num_beams,
+                                         max_new_tokens, stop_at_eos, token_healing, stats)
+        finally:  # also when a stream is closed, garbage-collected or abandoned mid-way
+            self._pool.release(state)
+
+    def _generate_in(self, state: dict, ids: list[int], params: SamplingParams, noise: NoiseTable | None,
+                     strategy: str, options: dict, num_beams: int, max_new_tokens: int, stop_at_eos: bool,
+                     token_healing: bool, stats: dict) -> Iterator[list[int]]:
+        decoder = self._decoder(state, strategy, params, noise, dict(options), num_beams)
         n_ctx = self.config.n_positions
         t0 = time.perf_counter()
         produced = 0
         finish = "length"
-        healed = self._heal(ids, params, noise) if token_healing else None
+        # Inference mode is entered per model call, never held across a yield: a generator
+        # suspended inside the context would leave it switched on (or off) for whatever code
+        # runs next on this thread, such as another stream or the caller's own model code.
+        with torch.inference_mode():
+            healed = self._heal(ids, params, noise) if token_healing else None
         if healed is not None:
             stats["healed_token"] = ids[-1]
             ids = healed[0] + [healed[1]]
@@ -300,22 +381,23 @@ class Engine:
             yield [healed[1]]
         with torch.inference_mode():
             decoder.start(ids)
-            prefill_seconds = time.perf_counter() - t0
-            prefill_calls = decoder.oracle.calls
-            while True:
-                remaining = min(max_new_tokens - produced, n_ctx - len(ids) - produced + (healed is not None))
-                if remaining <= 0:
-                    finish = "length" if produced >= max_new_tokens else "context"
-                    break
+        prefill_seconds = time.perf_counter() - t0
+        prefill_calls = decoder.oracle.calls
+        while True:
+            remaining = min(max_new_tokens - produced, n_ctx - len(ids) - produced + (healed is not None))
+            if remaining <= 0:
+                finish = "length" if produced >= max_new_tokens else "context"
+                break
+            with torch.inference_mode():
                 new = decoder.round(remaining)[:remaining]
-                if stop_at_eos and self.eos_token_id is not None and self.eos_token_id in new:
-                    new = new[:new.index(self.eos_token_id) + 1]
-                    produced += len(new)
-                    yield new
-                    finish = "eos"
-                    break
+            if stop_at_eos and self.eos_token_id is not None and self.eos_token_id in new:
+                new = new[:new.index(self.eos_token_id) + 1]
                 produced += len(new)
                 yield new
+                finish = "eos"
+                break
+            produced += len(new)
+            yield new
         seconds = time.perf_counter() - t0
         oracle = decoder.oracle
         calls = oracle.calls - prefill_calls

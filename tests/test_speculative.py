@@ -74,7 +74,7 @@ def test_three_model_cascade(pair, tmp_path):
 
 
 def _oracle_cache(eng: Engine):
-    cache = eng._runners["oracle"].cache
+    cache = eng._pool._free[-1]["oracle"].cache  # the state the last generation used
     n = cache.lengths[0]
     return cache.k[:, 0, :, :n].clone(), cache.v[:, 0, :, :n].clone()
 
@@ -97,8 +97,7 @@ def test_cache_bit_identical_to_plain(engine, strategy, opts):
 def test_stock_torch_path_is_also_exact(pair):
     oracle, draft = pair
     eng = Engine.from_pretrained(oracle, draft=draft)
-    eng.backend = TorchBackend(native=False)
-    eng._runners.clear()
+    eng.backend = TorchBackend(native=False)  # before any generation state exists
     for prompt in _prompts(3, 6):
         ref = eng.generate(prompt, max_new_tokens=40, strategy="plain")
         assert eng.generate(prompt, max_new_tokens=40, strategy="tree").token_ids == ref.token_ids
