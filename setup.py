@@ -48,6 +48,7 @@ setup(
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     install_requires=["torch==2.13.0", "safetensors", "tokenizers"],
-    extras_require={"bench": ["transformers", "matplotlib"]},  # HF baselines and PNG plots
+    extras_require={"bench": ["transformers", "matplotlib"],  # HF baselines and PNG plots
+                    "serve": ["fastapi", "uvicorn"]},  # staged-engine serve
     entry_points={"console_scripts": ["staged-engine=staged_engine.cli:main"]},
 )

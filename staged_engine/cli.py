@@ -57,15 +57,32 @@ def _cmd_demo(args) -> int:
     return demo.run(args)
 
 
-def _load_engine(args):
+def _cmd_serve(args) -> int:
+    import os
+
+    from . import server
+
+    for name in ("pool_size", "max_queue"):
+        if getattr(args, name) < (1 if name == "pool_size" else 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {1 if name == 'pool_size' else 0}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    eng = _load_engine(args, pool_size=args.pool_size)
+    if eng.tokenizer is None:
+        raise ValueError("serve needs a tokenizer.json in the oracle directory")
+    name = args.model_name or (os.path.basename(os.path.normpath(args.oracle)) if args.oracle else "staged-engine-demo")
+    return server.serve(eng, args.host, args.port, name, args.max_queue, args.timeout, args.drain_seconds)
+
+
+def _load_engine(args, pool_size: int = 4):
     from .engine import Engine
 
     if args.oracle is None:
         if args.draft or args.draft2:
             raise ValueError("--draft/--draft2 need --oracle")
-        return Engine.demo(device=args.device, backend=args.backend)
+        return Engine.demo(device=args.device, backend=args.backend, pool_size=pool_size)
     return Engine.from_pretrained(args.oracle, draft=args.draft, ngram=args.ngram, device=args.device,
-                                  dtype=args.dtype, backend=args.backend, draft2=args.draft2)
+                                  dtype=args.dtype, backend=args.backend, draft2=args.draft2, pool_size=pool_size)
 
 
 def _options(args) -> dict:
@@ -154,6 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible completions server (the demo pair by default)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve POST /v1/completions (stream: true for server-sent events), GET /v1/models "
+                    "and GET /health. Extension fields: strategy, token_healing. SIGTERM drains "
+                    "in-flight requests and exits 0.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: from the oracle)")
+    p.add_argument("--pool-size", type=int, default=2, help="generations that run at once (one KV cache set each)")
+    p.add_argument("--max-queue", type=int, default=16, help="requests that may wait beyond those (then 429)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a request may run")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may finish")
+    _engine_args(p)
+    p.set_defaults(func=_cmd_serve)
 
     from . import bench_cli, ngram
     from .training import train

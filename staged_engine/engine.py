@@ -443,11 +443,17 @@ class Engine:
     def stream(self, prompt, max_new_tokens: int = 128, strategy: str = "staged",
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, num_beams: int = 1, stop_at_eos: bool = True,
-               token_healing: bool = False, **options) -> Iterator[str]:
-        """Text pieces as rounds complete; never splits a UTF-8 character. Needs a tokenizer."""
+               token_healing: bool = False, stats: dict | None = None, **options) -> Iterator[str]:
+        """Text pieces as rounds complete; never splits a UTF-8 character. Needs a tokenizer.
+
+        ``stats``, if given, is a dict this stream fills with the generation's statistics (the
+        same keys as ``generate().stats``) when it ends."""
         if self.tokenizer is None:
             raise ValueError("stream needs a tokenizer (tokenizer.json in the oracle directory)")
-        stats: dict = {}
+        if stats is None:
+            stats = {}
+        elif not isinstance(stats, dict):
+            raise ValueError(f"stats must be a dict or None, got {type(stats).__name__}")
         streamer = TextStreamer(lambda toks: self._text(toks, stats))
         for new in self._rounds(prompt, max_new_tokens, strategy, temperature, top_k, top_p,
                                 seed, num_beams, stop_at_eos, options, stats, token_healing):
