@@ -111,3 +111,40 @@ def test_a_suspended_stream_leaves_no_inference_mode_behind(engine):
     assert not torch.is_inference_mode_enabled()
     s.close()
     assert not torch.is_inference_mode_enabled()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2 ** 20
+
+
+def test_random_api_calls_raise_only_value_error_and_do_not_grow_memory(engine):
+    import random
+
+    rng = random.Random(1234)
+    choices = {
+        "prompt": ["def add(", "", "x", [1, 2, 3], [10 ** 9], None, "é" * 3, "for item in items:\n"],
+        "max_new_tokens": [1, 8, 30, 0, -1, 2.5, True, "3"],
+        "strategy": ["plain", "chain", "tree", "staged", "beam", "dsbd", "warp", None],
+        "temperature": [0.0, 0.7, 1.0, -1.0, float("nan"), "hot"],
+        "top_k": [0, 5, 50, -2, 1.5],
+        "top_p": [1.0, 0.9, 0.0, 1.5],
+        "seed": [None, 0, 7, -1, 2 ** 70, "s"],
+        "num_beams": [1, 2, 0],
+        "token_healing": [False, True, "yes"],
+        "budget": [None, 4, 0, 10 ** 6],
+    }
+    rss = []
+    for i in range(150):
+        kw = {k: rng.choice(v) for k, v in choices.items()}
+        budget = kw.pop("budget")
+        if budget is not None and kw["strategy"] in ("tree", "staged"):
+            kw["budget"] = budget
+        prompt = kw.pop("prompt")
+        try:
+            engine.generate(prompt, stop_at_eos=False, **kw)
+        except ValueError:
+            pass
+        if i in (29, 149):
+            rss.append(_rss_mb())
+    assert rss[1] - rss[0] < 30, rss
