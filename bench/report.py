@@ -12,6 +12,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 README = os.path.join(os.path.dirname(HERE), "README.md")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+DEMO = os.path.join(os.path.dirname(HERE), "staged_engine", "assets", "demo")
+# Results measured on the previous demo pair (14.2M oracle, stdlib only, GPT-2 pre-tokenizer,
+# prompts stripped of their final newline) and not re-run on the current one.
+PREVIOUS_PAIR = {"e2e_identity_all_prompts.json", "sweep_greedy.json", "sweep_sampled.json", "forward_cost.json",
+                 "dsbd.json", "dsbd_static.json"}
+PREVIOUS_NOTE = ("*Measured on the previous demo pair (commit b55488e: a 14.2M oracle trained on the "
+                 "standard library with GPT-2's pre-tokenizer, prompts stripped of their final newline); "
+                 "not yet re-run on the current pair.*\n")
 
 
 def _load(name: str) -> dict | None:
@@ -28,7 +36,7 @@ def _machine(m: dict) -> str:
 
 def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engine bench e2e`)",
                 source: str = "e2e.json") -> list[str]:
-    out = [f"### {title}\n",
+    out = [f"### {title}\n"] + ([PREVIOUS_NOTE] if source in PREVIOUS_PAIR else []) + [
            f"Oracle {r['oracle_params'] / 1e6:.1f}M parameters, draft {r['draft_params'] / 1e6:.2f}M; "
            f"{r['n_prompts']} prompts ({' + '.join(r['prompt_sets'])}), {r['new_tokens']} new tokens, fp32; "
            f"{_machine(r['machine'])}. Medians over prompts after a warm-up; speedups are medians of "
@@ -52,7 +60,7 @@ def section_plain_vs_hf(r: dict) -> list[str]:
 
 def section_forward_cost(r: dict) -> list[str]:
     names = list(r["curves"])
-    out = ["### Oracle forward cost against tree nodes (`staged-engine bench forward-cost`)\n",
+    out = ["### Oracle forward cost against tree nodes (`staged-engine bench forward-cost`)\n", PREVIOUS_NOTE,
            f"Demo oracle, prefix {r['prefix']} tokens; {_machine(r['machine'])}. Time of one pass over N tree "
            "nodes relative to a 1-node pass. Source: `bench/results/forward_cost.json`.\n",
            "| nodes | " + " | ".join(f"{n}: ms | {n}: x 1-node" for n in names) + " |",
@@ -66,7 +74,7 @@ def section_forward_cost(r: dict) -> list[str]:
 
 def section_generic(title: str, r: dict, source: str) -> list[str]:
     if "markdown" in r:
-        return [f"### {title}\n", f"{_machine(r['machine'])}. Source: `bench/results/{source}`.\n", r["markdown"], ""]
+        return [f"### {title}\n"] + ([PREVIOUS_NOTE] if source in PREVIOUS_PAIR else []) + [f"{_machine(r['machine'])}. Source: `bench/results/{source}`.\n", r["markdown"], ""]
     return []
 
 
@@ -78,7 +86,7 @@ def _plot(name: str, alt: str) -> list[str]:
 
 
 def section_sweep(greedy: dict | None, sampled: dict | None) -> list[str]:
-    out = ["### Tree-shape sweep behind the defaults (`staged-engine bench sweep [--sampled]`)\n",
+    out = ["### Tree-shape sweep behind the defaults (`staged-engine bench sweep [--sampled]`)\n", PREVIOUS_NOTE,
            "Best shape per strategy, as a median speedup over plain decoding on the same prompts "
            "(16 prompts x 128 tokens); the engine's defaults per mode are these shapes. Sources: "
            "`bench/results/sweep_greedy.json`, `bench/results/sweep_sampled.json`.\n",
@@ -94,8 +102,48 @@ def section_sweep(greedy: dict | None, sampled: dict | None) -> list[str]:
     return out
 
 
+def section_demo_pair() -> list[str]:
+    recs = {}
+    for role in ("oracle", "draft"):
+        path = os.path.join(DEMO, role, "training.json")
+        if not os.path.isfile(path):
+            return []
+        with open(path) as f:
+            recs[role] = json.load(f)
+    o, d = recs["oracle"], recs["draft"]
+    if "evaluation" not in o:
+        return []
+    m = o["corpus"]["manifest"]
+    cpu = o.get("cpu", {})
+    out = ["### The demo pair (`staged-engine train-demo`)\n",
+           f"Trained on {cpu.get('model', '?')} ({', '.join(cpu.get('vector_extensions', []))}), "
+           f"{o['threads']} threads, torch {o['torch']}. Corpus: {m['files_train']:,} files / "
+           f"{m['bytes_train'] / 1e6:.0f} MB (the standard library and {len(m['packages']) - 1} installed packages, "
+           f"deduplicated by content); held out whole: {', '.join(m['held_out_packages'])} "
+           f"({m['files_held_out']} files, {m['bytes_held_out'] / 1e6:.1f} MB). "
+           "Bits per byte compare across tokenizers. Sources: `staged_engine/assets/demo/*/training.json`.\n",
+           "| model | params | shape | tokens seen | wall time | bits/byte held out | bits/byte val | "
+           "top-1 agreement with the oracle (held out) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for role, r in (("oracle", o), ("draft", d)):
+        c = r["config"]
+        out.append(f"| {role} | {r['num_params'] / 1e6:.2f}M | {c['n_embd']} x {c['n_layer']} layers x "
+                   f"{c['n_head']} heads | {r['tokens_seen'] / 1e6:.1f}M | {r['wall_time_s'] / 60:.0f} min | "
+                   f"{r['evaluation']['held_out']['bits_per_byte']:.3f} | {r['evaluation']['val']['bits_per_byte']:.3f} | "
+                   + (f"{r['top1_agreement_with_oracle']:.3f}" if role == "draft" else "") + " |")
+    pilots = o.get("pilots") or []
+    if pilots:
+        out += ["", "Pilots at equal wall time that chose the oracle's shape:", "",
+                "| pilot | params | minutes | threads | tokens | bits/byte held out |", "|---|---|---|---|---|---|"]
+        for p in pilots:
+            out.append(f"| {p['name']} | {p['num_params'] / 1e6:.1f}M | {p['seconds'] / 60:.0f} | {p['threads']} | "
+                       f"{p['tokens_seen'] / 1e6:.2f}M | {p['held_out']['bits_per_byte']:.3f} |")
+    out.append("")
+    return out
+
+
 def render() -> str:
-    parts: list[str] = []
+    parts: list[str] = section_demo_pair()
     r = _load("e2e.json")
     if r:
         parts += section_e2e(r)
@@ -117,6 +165,7 @@ def render() -> str:
     for name, title in (("dsbd.json", "DSBD against beam sampling (`staged-engine bench dsbd`)"),
                         ("dsbd_static.json", "DSBD with the width fixed at W: beam sampling's own law "
                          "(`staged-engine bench dsbd --options '{\"dsbd\": {\"dynamic\": false}}'`)"),
+                        ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
         r = _load(name)

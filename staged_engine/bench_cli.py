@@ -14,6 +14,7 @@ BENCHES = {
     "forward-cost": "forward_cost.py",  # oracle forward time against tree nodes
     "sweep": "sweep.py",  # tree-shape sweep behind the default knobs
     "dsbd": "dsbd.py",  # DSBD against beam sampling
+    "serve-load": "serve_load.py",  # concurrent clients against staged-engine serve
     "plots": "plots.py",  # PNG plots of bench/results/*.json (needs matplotlib)
     "report": "report.py",  # README results section from bench/results/
 }
