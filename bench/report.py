@@ -144,6 +144,10 @@ def section_demo_pair() -> list[str]:
 
 def render() -> str:
     parts: list[str] = section_demo_pair()
+    r = _load("pair_quality.json")
+    if r:
+        parts += section_generic("The demo pair on the held-out packages (`staged-engine bench pair-quality`)",
+                                 r, "pair_quality.json")
     r = _load("e2e.json")
     if r:
         parts += section_e2e(r)

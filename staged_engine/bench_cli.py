@@ -15,6 +15,8 @@ BENCHES = {
     "sweep": "sweep.py",  # tree-shape sweep behind the default knobs
     "dsbd": "dsbd.py",  # DSBD against beam sampling
     "serve-load": "serve_load.py",  # concurrent clients against staged-engine serve
+    "pair-quality": "pair_quality.py",  # the demo pair's bits per byte and agreement on held-out code
+  # concurrent clients against staged-engine serve
     "plots": "plots.py",  # PNG plots of bench/results/*.json (needs matplotlib)
     "report": "report.py",  # README results section from bench/results/
 }
