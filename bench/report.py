@@ -13,13 +13,6 @@ RESULTS = os.path.join(HERE, "results")
 README = os.path.join(os.path.dirname(HERE), "README.md")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 DEMO = os.path.join(os.path.dirname(HERE), "staged_engine", "assets", "demo")
-# Results measured on the previous demo pair (14.2M oracle, stdlib only, GPT-2 pre-tokenizer,
-# prompts stripped of their final newline) and not re-run on the current one.
-PREVIOUS_PAIR = {"e2e_identity_all_prompts.json", "sweep_greedy.json", "sweep_sampled.json", "forward_cost.json",
-                 "dsbd.json", "dsbd_static.json"}
-PREVIOUS_NOTE = ("*Measured on the previous demo pair (commit b55488e: a 14.2M oracle trained on the "
-                 "standard library with GPT-2's pre-tokenizer, prompts stripped of their final newline); "
-                 "not yet re-run on the current pair.*\n")
 
 
 def _load(name: str) -> dict | None:
@@ -36,7 +29,7 @@ def _machine(m: dict) -> str:
 
 def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engine bench e2e`)",
                 source: str = "e2e.json") -> list[str]:
-    out = [f"### {title}\n"] + ([PREVIOUS_NOTE] if source in PREVIOUS_PAIR else []) + [
+    out = [f"### {title}\n"] + [
            f"Oracle {r['oracle_params'] / 1e6:.1f}M parameters, draft {r['draft_params'] / 1e6:.2f}M; "
            f"{r['n_prompts']} prompts ({' + '.join(r['prompt_sets'])}), {r['new_tokens']} new tokens, fp32; "
            f"{_machine(r['machine'])}. Medians over prompts after a warm-up; speedups are medians of "
@@ -60,7 +53,7 @@ def section_plain_vs_hf(r: dict) -> list[str]:
 
 def section_forward_cost(r: dict) -> list[str]:
     names = list(r["curves"])
-    out = ["### Oracle forward cost against tree nodes (`staged-engine bench forward-cost`)\n", PREVIOUS_NOTE,
+    out = ["### Oracle forward cost against tree nodes (`staged-engine bench forward-cost`)\n",
            f"Demo oracle, prefix {r['prefix']} tokens; {_machine(r['machine'])}. Time of one pass over N tree "
            "nodes relative to a 1-node pass. Source: `bench/results/forward_cost.json`.\n",
            "| nodes | " + " | ".join(f"{n}: ms | {n}: x 1-node" for n in names) + " |",
@@ -74,7 +67,7 @@ def section_forward_cost(r: dict) -> list[str]:
 
 def section_generic(title: str, r: dict, source: str) -> list[str]:
     if "markdown" in r:
-        return [f"### {title}\n"] + ([PREVIOUS_NOTE] if source in PREVIOUS_PAIR else []) + [f"{_machine(r['machine'])}. Source: `bench/results/{source}`.\n", r["markdown"], ""]
+        return [f"### {title}\n"] + [f"{_machine(r['machine'])}. Source: `bench/results/{source}`.\n", r["markdown"], ""]
     return []
 
 
@@ -86,7 +79,7 @@ def _plot(name: str, alt: str) -> list[str]:
 
 
 def section_sweep(greedy: dict | None, sampled: dict | None) -> list[str]:
-    out = ["### Tree-shape sweep behind the defaults (`staged-engine bench sweep [--sampled]`)\n", PREVIOUS_NOTE,
+    out = ["### Tree-shape sweep behind the defaults (`staged-engine bench sweep [--sampled]`)\n",
            "Best shape per strategy, as a median speedup over plain decoding on the same prompts "
            "(16 prompts x 128 tokens); the engine's defaults per mode are these shapes. Sources: "
            "`bench/results/sweep_greedy.json`, `bench/results/sweep_sampled.json`.\n",

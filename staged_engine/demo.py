@@ -87,14 +87,6 @@ def demo_ngram(tokenizer_path: str, log=_log):
     return ng
 
 
-def _loops(text: str) -> bool:
-    """A continuation loops if a non-blank line repeats 4+ times or it has < 8 distinct words."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    if any(lines.count(ln) >= 4 for ln in set(lines)):
-        return True
-    return len(set(text.split())) < 8
-
-
 def run(args) -> int:
     from .engine import Engine
 
