@@ -7,6 +7,7 @@ import json
 import os
 
 import numpy as np
+import torch.nn.functional as F
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from staged_engine.model import GPT2
 from staged_engine.training.tokenizer import EOS_TOKEN, train_tokenizer
 from staged_engine.training.train import (
     DemoPaths, TrainConfig, batch_at, encode_docs, eval_windows, evaluate, export_model, lr_at,
-    parse_size, token_byte_lengths, train_model,
+    _distill_terms, parse_size, token_byte_lengths, train_model,
 )
 
 from test_corpus_tokenizer import CODE
@@ -57,6 +58,17 @@ def test_schedule_and_batches_are_fixed():
     assert a.shape == (3, 9) and torch.equal(a, b)
     assert not torch.equal(a, batch_at(tokens, 8, hp))
     assert torch.equal(a[:, 1:], a[:, :-1] + 1)  # contiguous windows
+
+
+def test_distillation_terms_match_torch_references():
+    g = torch.Generator().manual_seed(3)
+    lg, t_lg = torch.randn(37, 300, generator=g) * 3, torch.randn(37, 300, generator=g) * 3
+    y = torch.randint(0, 300, (37,), generator=g)
+    kl, ce = _distill_terms(lg, t_lg, y)
+    ref_kl = F.kl_div(F.log_softmax(lg, -1), F.log_softmax(t_lg, -1), log_target=True, reduction="batchmean")
+    assert kl.item() == pytest.approx(ref_kl.item(), rel=1e-5)
+    assert ce.item() == pytest.approx(F.cross_entropy(lg, y).item(), rel=1e-5)
+    assert _distill_terms(t_lg, t_lg, y)[0].abs().item() < 1e-5  # KL of a distribution to itself
 
 
 def test_bits_per_byte_is_loss_over_bytes(tiny):
