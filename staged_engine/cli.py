@@ -23,7 +23,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-text token")
     g.add_argument("--token-healing", action="store_true",
                    help="back up over the prompt's last token and let the first new token extend it")
-    s = p.add_argument_group("speculation knobs (defaults measured on the demo pair)")
+    s = p.add_argument_group("speculation knobs: the depth of each round is chosen from measured throughput; "
+                             "giving any shape knob pins the shape")
+    s.add_argument("--fixed-shape", action="store_true",
+                   help="speculate with the default shape every round instead of choosing the depth")
     s.add_argument("--budget", type=int, help="tree nodes per oracle pass, root included")
     s.add_argument("--max-depth", type=int, help="deepest tree node")
     s.add_argument("--children", type=int, help="children offered per draft-evaluated node")
@@ -94,6 +97,8 @@ def _options(args) -> dict:
             opts[name] = v
     if getattr(args, "no_dynamic", False):
         opts["dynamic"] = False
+    if getattr(args, "fixed_shape", False):
+        opts["adaptive"] = False
     if getattr(args, "memory_mode", False):
         opts["memory_mode"] = True
     if getattr(args, "ngram_widths", None):

@@ -20,11 +20,11 @@ from .dsbd import make_beam_decoder
 from .strategies import Decoder, PlainDecoder, SpeculativeDecoder
 
 STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
-# Defaults of the speculative knobs, per mode: the best shapes of `python bench/sweep.py` (greedy)
-# and `--sampled` (top-k 50, T = 1) on the demo pair, bench/results/sweep_{greedy,sampled}.json.
-# Greedy drafts agree with the oracle for many tokens in a row, so deep narrow shapes win; when
-# sampling, agreement is short and small trees win. On a 2-core CPU a forward pass over N nodes
-# costs far more than a 1-node pass (bench/results/forward_cost.json), which keeps trees small.
+# The largest shape of each speculative strategy, per mode. By default a generation does not
+# play it every round: strategies.DepthController chooses, each round, a depth from 0 (a plain
+# step) up to this shape's, by the tokens per second each depth has delivered so far on this
+# machine and text. Pinning any shape knob (or adaptive=False) plays the shape every round.
+# Greedy drafts agree for longer runs than sampled ones, hence the deeper greedy shapes.
 DEFAULT_SHAPES = {
     "greedy": {
         "chain": TreeShape(budget=11, max_depth=10, children=1, expand=1),
@@ -38,7 +38,12 @@ DEFAULT_SHAPES = {
     },
 }
 DEFAULT_NGRAM_WIDTHS = {"greedy": (1,) * 6, "sampled": (1,) * 4}
-SPEC_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length", "ngram_widths", "ngram_learn")
+SPEC_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length", "ngram_widths", "ngram_learn",
+                "adaptive")
+SHAPE_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length")
+# Speculative strategies choose their depth each round from measured throughput
+# (strategies.DepthController) unless the call pins a shape or passes adaptive=False.
+ADAPTIVE_DEFAULT = True
 # Token healing favours keeping the prompt's own last token by this many logits, as HF
 # transformers does, so that 'http' is not healed to 'https' on a whim.
 HEALING_KEEP_BONUS = 1.0
@@ -269,8 +274,11 @@ class Engine:
                 raise ValueError(f"strategy 'plain' takes no options, got {sorted(options)}")
             return PlainDecoder(oracle, params, noise)
         if strategy in ("chain", "tree", "staged"):
+            adaptive = options.pop("adaptive", ADAPTIVE_DEFAULT and not any(k in options for k in SHAPE_OPTIONS))
+            if not isinstance(adaptive, bool):
+                raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
             return SpeculativeDecoder(oracle, params, noise,
-                                      self._drafter(state, strategy, params, noise, options), strategy)
+                                      self._drafter(state, strategy, params, noise, options), strategy, adaptive)
         return make_beam_decoder(self, strategy, params, num_beams, options)
 
     def _drafter(self, state: dict, strategy: str, params: SamplingParams, noise: NoiseTable | None,

@@ -7,7 +7,10 @@ seed fixes one sequence for every strategy (ALGORITHMS.md sec. 3).
 """
 from __future__ import annotations
 
-from .drafters import ModelDrafter
+import math
+import time
+
+from .drafters import ModelDrafter, TreeShape
 from .runner import ModelRunner
 from .sampling import NoiseTable, SamplingParams
 
@@ -67,14 +70,17 @@ class SpeculativeDecoder(Decoder):
     """
 
     def __init__(self, oracle: ModelRunner, params: SamplingParams, noise: NoiseTable | None,
-                 drafter: "ModelDrafter", name: str) -> None:
+                 drafter: "ModelDrafter", name: str, adaptive: bool = False) -> None:
         super().__init__(oracle, params, noise)
         self.drafter = drafter
         self.name = name
+        self.adaptive = adaptive
+        self.controller: DepthController | None = None
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
         self.drafter.start(prompt)
+        self.controller = DepthController(self.drafter.shape) if self.adaptive else None
 
     def draft_calls(self) -> int:
         return self.drafter.calls
@@ -86,12 +92,24 @@ class SpeculativeDecoder(Decoder):
         return self.drafter.weight_bytes_read()
 
     def round(self, remaining: int) -> list[int]:
+        if self.controller is None:
+            return self._round(remaining, self.drafter.shape.budget, self.drafter.shape.max_depth)
+        arm = self.controller.choose()
+        t0 = time.perf_counter()
+        emitted = self._round(remaining, *self.controller.limits(arm))
+        self.controller.update(arm, len(emitted), time.perf_counter() - t0)
+        return emitted
+
+    def extra_stats(self) -> dict:
+        return {} if self.controller is None else {"adaptive": self.controller.summary()}
+
+    def _round(self, remaining: int, budget: int, max_depth: int) -> list[int]:
         oracle = self.oracle
         root_position = oracle.length
         n_ctx = min(oracle.max_len, oracle.model.config.n_positions)
         # A node at depth d emits a token at position root + d + 1, which must stay in the window.
-        max_depth = min(self.drafter.shape.max_depth, remaining - 1, n_ctx - 1 - root_position - 1)
-        budget = min(self.drafter.shape.budget, n_ctx - root_position)
+        max_depth = min(max_depth, remaining - 1, n_ctx - 1 - root_position - 1)
+        budget = min(budget, n_ctx - root_position)
         tree, draft_nodes, state = self.drafter.build(root_position, budget, max_depth)
         positions = [root_position + d for d in tree.depths]
         mask = None if tree.is_chain() else tree.ancestor_mask(oracle.device)
@@ -102,3 +120,74 @@ class SpeculativeDecoder(Decoder):
         self.root = emitted[-1]
         self.accepted_lengths.append(len(emitted))
         return emitted
+
+
+class DepthController:
+    """How deep to speculate this round, chosen from throughput measured while decoding.
+
+    The arms are depth limits: 0 (a plain oracle step; the draft idles and catches up later) and
+    a ladder of depths up to the shape's ``max_depth``, each with a node budget scaled from the
+    shape's. Every arm keeps exponentially weighted sums of the tokens it emitted and the wall
+    seconds its rounds took (draft passes, the oracle pass, verification and the Python between
+    them), so its estimate is tokens per second on this machine, these models, this sampling
+    rule and this text: nothing is tuned in advance. Each arm is tried once, then the best one
+    is played, and every ``explore_every``-th round re-measures the arm measured longest ago, so
+    a change of text (code turning into prose, a loop starting or ending) moves the choice.
+
+    Speculation that does not pay thus falls back to plain decoding, up to the exploration
+    rounds. Which arm plays never changes the output: only the oracle decides what is emitted.
+    """
+
+    def __init__(self, shape: TreeShape, explore_every: int = 8, decay: float = 0.7) -> None:
+        if not isinstance(explore_every, int) or explore_every < 2:
+            raise ValueError(f"explore_every must be an integer >= 2, got {explore_every!r}")
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay must be in (0, 1), got {decay!r}")
+        self.shape = shape
+        depths, d = {0, shape.max_depth}, 1
+        while d < shape.max_depth:
+            depths.add(d)
+            d *= 2
+        self.depths = sorted(depths)
+        self.explore_every = explore_every
+        self.decay = decay
+        n = len(self.depths)
+        self.tokens = [0.0] * n
+        self.seconds = [0.0] * n
+        self.plays = [0] * n
+        self.last = [-1] * n  # round an arm was last measured
+        self.rounds = 0
+
+    def limits(self, arm: int) -> tuple[int, int]:
+        """(node budget, max depth) of an arm."""
+        d = self.depths[arm]
+        if d == 0:
+            return 1, 0
+        s = self.shape
+        return min(s.budget, max(d + 1, math.ceil(s.budget * d / s.max_depth))), d
+
+    def rate(self, arm: int) -> float:
+        return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
+
+    def choose(self) -> int:
+        untried = [a for a in range(len(self.depths)) if self.plays[a] == 0]
+        if untried:  # deepest first: the shape the user asked for is measured first
+            return untried[-1]
+        best = max(range(len(self.depths)), key=lambda a: (self.rate(a), -a))
+        if self.rounds % self.explore_every == self.explore_every - 1:
+            stale = min((a for a in range(len(self.depths)) if a != best), key=lambda a: self.last[a],
+                        default=best)
+            return stale
+        return best
+
+    def update(self, arm: int, tokens: int, seconds: float) -> None:
+        self.tokens[arm] = self.decay * self.tokens[arm] + tokens
+        self.seconds[arm] = self.decay * self.seconds[arm] + max(seconds, 1e-9)
+        self.plays[arm] += 1
+        self.last[arm] = self.rounds
+        self.rounds += 1
+
+    def summary(self) -> dict:
+        """Per depth: rounds played and the latest tokens/s estimate."""
+        return {str(d): {"rounds": self.plays[a], "tokens_per_s": round(self.rate(a), 1)}
+                for a, d in enumerate(self.depths)}
