@@ -27,7 +27,9 @@ from common import (ProgressBar, add_model_and_prompt_args, fmt, load_prompts, l
                     progress, publish)  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINE_SYSTEMS = ("plain", "chain", "tree", "staged")
+ENGINE_SYSTEMS = ("plain", "chain", "tree", "staged", "chain_fixed", "tree_fixed", "staged_fixed")
+# X_fixed: strategy X with its default shape every round (adaptive=False), against X choosing
+# its depth each round from measured throughput (the default).
 HF_SYSTEMS = ("hf", "hf_assisted", "hf_lookup")
 TIE = 1e-4
 # The sampled modes: (engine knobs, HF generate knobs). Greedy needs none.
@@ -142,7 +144,10 @@ def run(args) -> dict:
 def _run_system(eng, hf, system, ids, new_tokens, mode, seed, options):
     if system in HF_SYSTEMS:
         return hf.run(system, ids, new_tokens, mode, seed), {}
-    kw = dict(max_new_tokens=new_tokens, strategy=system, stop_at_eos=False)
+    strategy = system.removesuffix("_fixed")
+    kw = dict(max_new_tokens=new_tokens, strategy=strategy, stop_at_eos=False)
+    if system.endswith("_fixed"):
+        kw["adaptive"] = False
     if mode in SAMPLED_MODES:
         kw.update(seed=seed, **SAMPLED_MODES[mode][0])
     res = eng.generate(ids, **kw, **options.get(system, {}))
@@ -166,6 +171,8 @@ def _summarise(per_system: dict, eng, systems) -> dict:
             if base is not None:
                 row[f"median_speedup_vs_{name}"] = statistics.median(
                     r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base))
+        if base_plain is not None:
+            row["min_speedup_vs_plain"] = min(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, base_plain))
         if "oracle_calls" in runs[0]:
             calls = sum(r["oracle_calls"] for r in runs)
             toks = sum(r["tokens_per_oracle_call"] * r["oracle_calls"] for r in runs)
@@ -198,16 +205,17 @@ def markdown(result: dict) -> str:
         lines.append(f"**{mode}** ({result['n_prompts']} prompts x {result['new_tokens']} new tokens; "
                      f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}"
                      + (f"; {100 * loop:.0f}% of plain continuations loop" if loop is not None else "") + ")\n")
-        lines.append("| system | tok/s (median) | vs HF generate | vs HF assisted | vs our plain "
+        lines.append("| system | tok/s (median) | vs HF generate | vs HF assisted | vs our plain | slowest prompt vs plain "
                      "| tokens/oracle call | rel. memory traffic | overhead share | output = our plain |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
         for s, r in rows.items():
             ident = (f"{r['identical']}/{result['n_prompts']}" + (f" ({r['ties']} ties)" if r.get("ties") else "")
                      if "identical" in r else "n/a (other RNG)")
             lines.append(
                 f"| {s} | {r['median_tokens_per_s']:.1f} | {fmt(r.get('median_speedup_vs_hf'), 'x')} | "
                 f"{fmt(r.get('median_speedup_vs_hf_assisted'), 'x')} | "
-                f"{fmt(r.get('median_speedup_vs_plain'), 'x')} | {fmt(r.get('tokens_per_oracle_call'))} | "
+                f"{fmt(r.get('median_speedup_vs_plain'), 'x')} | {fmt(r.get('min_speedup_vs_plain'), 'x')} | "
+                f"{fmt(r.get('tokens_per_oracle_call'))} | "
                 f"{fmt(r.get('relative_memory_traffic'))} | {_pct(r.get('overhead_share'))} | {ident} |")
         lines.append("")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
-"""Sweep the speculative knobs on the demo pair; the engine's defaults come from this table.
+"""Sweep fixed speculative shapes on the demo pair, against the adaptive default.
 
-For each strategy and shape: median tokens/s over a prompt subset (greedy, and top-k 50 at T = 1
+For each strategy: the default (the depth chosen each round from measured throughput) and each
+fixed shape of the grid (chains of 1-10, trees, staged shapes); median tokens/s over a prompt subset (greedy, and top-k 50 at T = 1
 with --sampled), tokens per oracle call, draft passes per round, and speedup over plain decoding
 measured in the same run. Writes bench/results/sweep.json and prints the best shape per strategy.
 
@@ -23,7 +24,8 @@ from e2e import load_prompts  # noqa: E402
 def grid() -> list[tuple[str, dict]]:
     """Chains of 2-10; trees of 4-16 nodes (narrow and wide); staged shapes from a chain drafted
     with n-gram help (children 1) to trees with n-gram mini-trees of several widths."""
-    shapes = [("chain", {"chain_length": k}) for k in (2, 3, 4, 6, 8, 10)]
+    shapes = [(s, {}) for s in ("chain", "tree", "staged")]  # the adaptive defaults
+    shapes += [("chain", {"chain_length": k}) for k in (1, 2, 3, 4, 6, 8, 10)]
     for budget, depth, children in itertools.product((4, 6, 8, 12, 16), (3, 5, 8), (2, 4)):
         if depth < budget:
             shapes.append(("tree", dict(budget=budget, max_depth=depth, children=children,
@@ -49,7 +51,7 @@ def main(argv=None) -> int:
     from staged_engine import Engine
 
     eng = Engine.demo()
-    prompts = [eng.tokenizer.encode(p["prompt"]).ids for p in load_prompts(["stdlib", "humaneval"], args.limit)]
+    prompts = [eng.tokenizer.encode(p["prompt"]).ids for p in load_prompts(["heldout", "humaneval"], args.limit)]
     prompts = [p for p in prompts if len(p) + args.new_tokens <= eng.config.n_positions]
     kw = dict(max_new_tokens=args.new_tokens, stop_at_eos=False)
     if args.sampled:
@@ -76,7 +78,10 @@ def main(argv=None) -> int:
     bar.close()
     best = {s: max((r for r in rows if r["strategy"] == s), key=lambda r: r["median_speedup_vs_plain"])
             for s in args.strategies}
+    from staged_engine.engine import DEMO_DIR
+
     out = {"benchmark": f"speculation knob sweep ({mode})", "machine": machine(), "mode": mode,
+           "oracle": os.path.join(DEMO_DIR, "oracle"), "oracle_params": eng.config.num_params,
            "n_prompts": len(prompts), "new_tokens": args.new_tokens,
            "plain_median_tokens_per_s": statistics.median(plain_tps), "rows": rows, "best": best}
     path = save(out, args.out or f"sweep_{mode}.json")
