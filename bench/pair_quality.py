@@ -36,7 +36,8 @@ def run(args) -> dict:
     lengths = token_byte_lengths(tok)
     eos = tok.token_to_id("<|endoftext|>")
     docs = corpus.build(log=lambda m: None).held_out
-    out = {"benchmark": "demo pair on held-out packages", "machine": machine(), "window": args.window,
+    out = {"benchmark": "demo pair on held-out packages", "machine": machine(), "oracle": oracle_dir,
+           "oracle_params": oracle.config.num_params, "draft_params": draft.config.num_params, "window": args.window,
            "windows_per_package": args.windows, "packages": {}}
     tot = {"oracle_bits": 0.0, "draft_bits": 0.0, "bytes": 0.0, "agree": 0.0, "tokens": 0}
     for pkg in sorted({rel.split("/")[0] for rel, _ in docs}):
