@@ -2,8 +2,9 @@
 "Performance model"): the right tree budget is where this curve starts to climb.
 
 For N = 1..64 nodes (a random tree below a committed prefix), the median wall time of one
-forward pass, with the native few-row CPU kernels and with stock torch (MKL + SDPA), relative to
-the 1-node pass. Writes bench/results/forward_cost.json.
+forward pass relative to the 1-node pass, three ways, in one run: the native few-row CPU kernels
+with every block in one native call (the default), the same kernels called block by block from
+Python, and stock torch (MKL + SDPA). Writes bench/results/forward_cost.json.
 
     python bench/forward_cost.py [--oracle DIR] [--prefix 256] [--repeats 30]
 """
@@ -61,7 +62,8 @@ def curve(model, backend, prefix: int, repeats: int, nodes: list[int]) -> dict[i
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--oracle", help="checkpoint directory (default: the demo oracle)")
+    ap.add_argument("--oracle", help="checkpoint directory (default: the demo oracle; give the draft's to "
+                                     "measure the draft)")
     ap.add_argument("--prefix", type=int, default=256, help="committed tokens before the tree")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="forward_cost.json")
@@ -76,7 +78,8 @@ def main(argv=None) -> int:
               "params": model.config.num_params, "prefix": args.prefix, "repeats": args.repeats, "curves": {}}
     backends = {"stock torch": TorchBackend(native=False)}
     if _cpu is not None:
-        backends = {"native": TorchBackend(native=True), **backends}
+        backends = {"native, blocks fused": TorchBackend(native=True, fused=True),
+                    "native, per op": TorchBackend(native=True, fused=False), **backends}
     for name, be in backends.items():
         progress(f"measuring {name} ...")
         c = curve(model, be, args.prefix, args.repeats, NODES)

@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 #include <sstream>
+#include <string>
 
 #define SE_CHECK(cond, ...) \
   do {                      \
@@ -526,6 +527,76 @@ std::vector<torch::Tensor> top_children(const torch::Tensor& scores, int64_t k) 
   return {idx, logr};
 }
 
+// Every decoder block of one forward pass, in one call: x (B, N, C) float32 -> x after the last
+// block. The same kernels and ATen ops, in the same order and on the same values, as the Python
+// loop of GPT2.forward on the native backend, so the result is bit-identical to it; what goes
+// away is the Python around them (about a dozen dispatches per block, which cost more than the
+// arithmetic for models of a few million parameters). weights: 12 per block, in the order of
+// GPT2._layer_tensors, each linear weight float32 or its exact float16 twin. The new tokens' K/V
+// go to slots writes[b] .. + N of each row; attention sees [0, starts[b]) and the M uncommitted
+// entries from starts[b] (mask as in attention()).
+torch::Tensor forward_blocks(torch::Tensor x, const std::vector<torch::Tensor>& weights,
+                             const torch::Tensor& k_all, const torch::Tensor& v_all,
+                             const std::vector<int64_t>& writes, const std::vector<int64_t>& starts, int64_t M,
+                             const c10::optional<torch::Tensor>& mask, int64_t n_head, double eps, double scale,
+                             const std::string& activation) {
+  check_f32_contig(x, "x", 3);
+  const int64_t B = x.size(0), N = x.size(1), C = x.size(2);
+  SE_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes(),
+           "k_cache and v_cache must be (L, B, H, S, D) and alike");
+  SE_CHECK(k_all.scalar_type() == torch::kFloat32 && v_all.scalar_type() == torch::kFloat32,
+           "k_cache and v_cache must be float32");
+  const int64_t L = k_all.size(0);
+  SE_CHECK(L >= 1, "the cache has no blocks");
+  SE_CHECK(static_cast<int64_t>(weights.size()) == 12 * L, "weights needs 12 tensors per block, got ",
+           weights.size(), " for ", L, " blocks");
+  SE_CHECK(n_head >= 1 && C % n_head == 0, "n_head must divide n_embd");
+  SE_CHECK(static_cast<int64_t>(writes.size()) == B, "writes needs one entry per row");
+  SE_CHECK(activation == "gelu_tanh" || activation == "gelu" || activation == "relu",
+           "activation must be gelu_tanh, gelu or relu, got ", activation);
+  const int64_t D = C / n_head;
+  {
+    SE_CHECK(k_all.size(1) == B && k_all.size(2) == n_head && k_all.size(4) == D,
+             "the cache must be (L, ", B, ", ", n_head, ", S, ", D, "), got ", k_all.sizes());
+  }
+  for (int64_t b = 0; b < B; ++b)
+    SE_CHECK(writes[b] >= 0 && writes[b] + N <= k_all.size(3), "row ", b, ": writes exceed the cache");
+  c10::optional<torch::Tensor> m;
+  if (mask.has_value() && mask->defined()) m = mask->contiguous();
+  bool same_write = true;
+  for (int64_t b = 1; b < B; ++b) same_write = same_write && writes[b] == writes[0];
+  auto lin = [&](const torch::Tensor& h, const torch::Tensor& w, const torch::Tensor& bias) {
+    return ::linear(h.reshape({B * N, h.size(2)}).contiguous(), w, c10::optional<torch::Tensor>(bias)).view({B, N, w.size(0)});
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const torch::Tensor* w = &weights[12 * l];
+    auto h = at::layer_norm(x, {C}, w[0], w[1], eps);
+    auto qkv = lin(h, w[2], w[3]);
+    auto parts = qkv.view({B, N, 3, n_head, D}).permute({2, 0, 3, 1, 4}).unbind(0);
+    auto kc = k_all.select(0, l);
+    auto vc = v_all.select(0, l);
+    if (same_write) {
+      kc.slice(2, writes[0], writes[0] + N).copy_(parts[1]);
+      vc.slice(2, writes[0], writes[0] + N).copy_(parts[2]);
+    } else {
+      for (int64_t b = 0; b < B; ++b) {
+        kc.select(0, b).slice(1, writes[b], writes[b] + N).copy_(parts[1].select(0, b));
+        vc.select(0, b).slice(1, writes[b], writes[b] + N).copy_(parts[2].select(0, b));
+      }
+    }
+    auto a = ::attention(parts[0].contiguous(), kc, vc, starts, M, m, scale);
+    a = a.transpose(1, 2).reshape({B, N, C});
+    x = x + lin(a, w[4], w[5]);
+    h = at::layer_norm(x, {C}, w[6], w[7], eps);
+    h = lin(h, w[8], w[9]);
+    if (activation == "gelu_tanh") h = at::gelu(h, "tanh");
+    else if (activation == "gelu") h = at::gelu(h);
+    else h = at::relu(h);
+    x = x + lin(h, w[10], w[11]);
+  }
+  return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Row-count-independent few-row linear and slot-ordered attention for CPU decoding";
   m.def("linear", &linear, "y = x @ w.T + bias (w float32 or float16), per-row results independent of the row count",
@@ -535,4 +606,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("mask") = py::none(), py::arg("scale"));
   m.def("top_children", &top_children, "k largest scores per row and their log-softmax values",
         py::arg("scores"), py::arg("k"));
+  m.def("forward_blocks", &forward_blocks, "every decoder block of a forward pass in one call",
+        py::arg("x"), py::arg("weights"), py::arg("k_cache"), py::arg("v_cache"), py::arg("writes"),
+        py::arg("starts"), py::arg("m"), py::arg("mask"), py::arg("n_head"), py::arg("eps"), py::arg("scale"),
+        py::arg("activation"));
 }

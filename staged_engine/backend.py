@@ -50,6 +50,15 @@ class Backend:
     def commit(self, k: torch.Tensor, v: torch.Tensor, row: int, start: int, path: list[int]) -> None:
         raise NotImplementedError
 
+    def forward_blocks(self, x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]], k: torch.Tensor,
+                       v: torch.Tensor, writes: list[int], starts: list[int], m: int,
+                       tree_mask: torch.Tensor | None, n_head: int, eps: float, scale: float,
+                       activation: str) -> torch.Tensor | None:
+        """Every decoder block in one call (x (B, N, C) -> x), or None: the model then runs its
+        own loop over the blocks with the operations above. ``layers``: 12 tensors per block in
+        ``GPT2._layer_tensors`` order; k, v: the whole cache (L, B, H, S, D)."""
+        return None
+
     def top_children(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k best entries of each row of scores (N, V) and their log-softmax values:
         (ids (N, k) int64, log r (N, k) float32), best first. Drafters rank children with it."""
@@ -90,7 +99,7 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, native: bool | None = None) -> None:
+    def __init__(self, native: bool | None = None, fused: bool | None = None) -> None:
         if native and _cpu is None:
             raise ValueError("native=True needs the staged_engine._cpu extension "
                              "(pip install --no-build-isolation -e .)")
@@ -100,6 +109,12 @@ class TorchBackend(Backend):
                 warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU",
                               stacklevel=2)
         self.native = bool(native)
+        # All blocks in one native call (``_cpu.forward_blocks``): the same kernels and ops in the
+        # same order as the model's loop, hence the same bits, without ~12 Python dispatches per block.
+        if fused is None:
+            fused = os.environ.get("STAGED_ENGINE_FUSED", "1") != "0"
+        self.fused = bool(fused) and self.native
+        self._blocks: dict[int, tuple] = {}  # id(layers) -> (layers, versions, streamed weights)
         # weight -> its float16 twin, for weights whose values fp16 holds exactly (see _stream_weight)
         self._half: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
 
@@ -128,6 +143,27 @@ class TorchBackend(Backend):
             y = _cpu.linear(x.reshape(rows, x.shape[-1]).contiguous(), self._stream_weight(weight), bias)
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
+
+    def _block_weights(self, layers: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
+        """The flat weight list for ``_cpu.forward_blocks``: linear weights as the tensors the
+        kernel streams (their exact fp16 twins where they exist), the rest as they are."""
+        versions = tuple(t._version for layer in layers for t in layer)
+        entry = self._blocks.get(id(layers))
+        if entry is None or entry[0] is not layers or entry[1] != versions:
+            flat = []
+            for layer in layers:
+                flat.extend(self._stream_weight(t) if i in (2, 4, 8, 10) else t for i, t in enumerate(layer))
+            entry = (layers, versions, flat)
+            self._blocks[id(layers)] = entry
+        return entry[2]
+
+    def forward_blocks(self, x, layers, k, v, writes, starts, m, tree_mask, n_head, eps, scale, activation):
+        b, n, _ = x.shape
+        if not (self.fused and self._use_native(x, b * n)) or k.dtype != torch.float32:
+            return None
+        mask = tree_mask.contiguous() if tree_mask is not None else None
+        return _cpu.forward_blocks(x.contiguous(), self._block_weights(layers), k, v, writes, starts, m, mask,
+                                   n_head, eps, scale, activation)
 
     def top_children(self, scores, k):
         if self._use_native(scores, 1) and scores.dim() == 2 and k <= 64:

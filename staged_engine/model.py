@@ -19,12 +19,17 @@ from .config import GPT2Config
 from .kv_cache import KVCache
 
 
-def _activation(name: str):
+def _activation_kind(name: str) -> str:
+    """The activation's kind, as the native block kernel names it: gelu_tanh, gelu or relu."""
     if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return "gelu_tanh"
+    return "gelu" if name == "gelu" else "relu"
+
+
+def _activation(kind: str):
+    if kind == "gelu_tanh":
         return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    return F.relu
+    return F.gelu if kind == "gelu" else F.relu
 
 
 class Attention(nn.Module):
@@ -58,7 +63,8 @@ class GPT2(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
-        self.act = _activation(config.activation_function)
+        self.act_kind = _activation_kind(config.activation_function)
+        self.act = _activation(self.act_kind)
         self._flat: list[tuple[torch.Tensor, ...]] | None = None
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ... make new tensors: drop the cache
@@ -111,8 +117,10 @@ class GPT2(nn.Module):
                              f"pending entries, got {tuple(tree_mask.shape)}")
         c, eps = (cfg.n_embd,), cfg.layer_norm_epsilon
         x = F.embedding(tokens, self.wte.weight) + F.embedding(positions, self.wpe.weight)  # (B, N, C)
+        fused = be.forward_blocks(x, self._layer_tensors(), cache.k, cache.v, writes, starts, m, tree_mask,
+                                  cfg.n_head, eps, cfg.attn_scale, self.act_kind)
         for layer, (ln1w, ln1b, qkvw, qkvb, aow, aob, ln2w, ln2b, fcw, fcb, mpw, mpb) in \
-                enumerate(self._layer_tensors()):
+                enumerate(self._layer_tensors() if fused is None else ()):
             h = F.layer_norm(x, c, ln1w, ln1b, eps)
             qkv = be.linear(h, qkvw, qkvb)  # (B, N, 3C)
             q = be.append_qkv(qkv, cache.k[layer], cache.v[layer], writes, cfg.n_head)  # (B, H, N, D)
@@ -122,6 +130,8 @@ class GPT2(nn.Module):
             h = F.layer_norm(x, c, ln2w, ln2b, eps)
             h = self.act(be.linear(h, fcw, fcb))  # (B, N, 4C)
             x = x + be.linear(h, mpw, mpb)
+        if fused is not None:
+            x = fused
         cache.pending = m
         if last_only:
             x = x[:, -1:]
