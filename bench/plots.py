@@ -25,8 +25,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-SYSTEM_ORDER = ("hf", "hf_assisted", "hf_lookup", "plain", "chain", "tree", "staged")
-SPECULATIVE = ("chain", "tree", "staged")
+SYSTEM_ORDER = ("hf", "hf_assisted", "hf_lookup", "plain", "chain", "tree", "staged", "chain_fixed", "tree_fixed",
+                "staged_fixed")
+SPECULATIVE = ("chain", "tree", "staged", "chain_fixed", "tree_fixed", "staged_fixed")
 MODE_COLORS = {"greedy": "#4C72B0", "sampled": "#DD8452"}
 SYSTEM_COLORS = {"chain": "#55A868", "tree": "#C44E52", "staged": "#8172B3"}
 FALLBACK_COLORS = ("#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD")
