@@ -18,8 +18,8 @@ DEMO = os.path.join(os.path.dirname(HERE), "staged_engine", "assets", "demo")
 _STALE: list[str] = []  # results measured on another pair than the embedded one
 
 
-def _demo_oracle_params() -> int | None:
-    path = os.path.join(DEMO, "oracle", "training.json")
+def _demo_params(role: str) -> int | None:
+    path = os.path.join(DEMO, role, "training.json")
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -35,7 +35,9 @@ def _load(name: str) -> dict | None:
     with open(path) as f:
         r = json.load(f)
     params = r.get("oracle_params", r.get("params"))
-    if isinstance(params, int) and "assets/demo" in str(r.get("oracle", "")) and params != _demo_oracle_params():
+    where = str(r.get("oracle", "")).rstrip("/")
+    role = "draft" if where.endswith("draft") else "oracle"
+    if isinstance(params, int) and "assets/demo" in where and params != _demo_params(role):
         _STALE.append(name)
         return None
     return r
@@ -56,7 +58,7 @@ def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engi
     return out
 
 
-def section_plain_vs_hf(r: dict) -> list[str]:
+def section_plain_vs_hf(r: dict, source: str = "plain_vs_hf.json") -> list[str]:
     out = ["### Plain decoding against HF `generate` (`staged-engine bench plain-vs-hf`)\n",
            f"Random weights, greedy, fp32, 128 new tokens; {_machine(r['machine'])}. "
            "Source: `bench/results/plain_vs_hf.json`.\n",
@@ -69,11 +71,13 @@ def section_plain_vs_hf(r: dict) -> list[str]:
     return out
 
 
-def section_forward_cost(r: dict) -> list[str]:
+def section_forward_cost(r: dict, source: str = "forward_cost.json") -> list[str]:
     names = list(r["curves"])
-    out = ["### Oracle forward cost against tree nodes (`staged-engine bench forward-cost`)\n",
-           f"Demo oracle, prefix {r['prefix']} tokens; {_machine(r['machine'])}. Time of one pass over N tree "
-           "nodes relative to a 1-node pass. Source: `bench/results/forward_cost.json`.\n",
+    role = "draft" if str(r.get("oracle", "")).rstrip("/").endswith("draft") else "oracle"
+    out = [f"### Demo {role}: forward cost against tree nodes (`staged-engine bench forward-cost`)\n",
+           f"Demo {role} ({r['params'] / 1e6:.2f}M parameters), prefix {r['prefix']} tokens; {_machine(r['machine'])}. "
+           "Time of one pass over N tree nodes, and relative to a 1-node pass, per kernel path, measured "
+           f"in one run. Source: `bench/results/{source}`.\n",
            "| nodes | " + " | ".join(f"{n}: ms | {n}: x 1-node" for n in names) + " |",
            "|---|" + "---|---|" * len(names)]
     for n in r["curves"][names[0]]:
@@ -181,10 +185,11 @@ def render() -> str:
     greedy, sampled = (r if r and "oracle_params" in r else None for r in (greedy, sampled))
     if greedy or sampled:
         parts += section_sweep(greedy, sampled)
-    for name, fn in (("plain_vs_hf.json", section_plain_vs_hf), ("forward_cost.json", section_forward_cost)):
+    for name, fn in (("plain_vs_hf.json", section_plain_vs_hf), ("forward_cost.json", section_forward_cost),
+                     ("forward_cost_draft.json", section_forward_cost)):
         r = _load(name)
         if r:
-            parts += fn(r)
+            parts += fn(r, name)
             if name == "forward_cost.json":
                 parts += _plot("forward_cost.png", "oracle forward time against tree nodes")
     for name, title in (("dsbd.json", "DSBD against beam sampling (`staged-engine bench dsbd`)"),
