@@ -130,16 +130,20 @@ class DepthController:
     shape's. Every arm keeps exponentially weighted sums of the tokens it emitted and the wall
     seconds its rounds took (draft passes, the oracle pass, verification and the Python between
     them), so its estimate is tokens per second on this machine, these models, this sampling
-    rule and this text: nothing is tuned in advance. Each arm is tried once, then the best one
-    is played, and every ``explore_every``-th round re-measures the arm measured longest ago, so
-    a change of text (code turning into prose, a loop starting or ending) moves the choice.
+    rule and this text: nothing is tuned in advance.
 
-    Speculation that does not pay thus falls back to plain decoding, up to the exploration
-    rounds. Which arm plays never changes the output: only the oracle decides what is emitted.
+    It starts by measuring depth 1 and a plain step, then plays the best arm and climbs the
+    ladder: every ``interval`` rounds it measures a neighbour of the best arm (afresh, when its
+    last figure is old). An exploration that does not move the best doubles the interval (up to
+    ``max_interval``), one that does resets it, so speculation that does not pay costs a few
+    rounds in a hundred, and a change of text (a loop starting, code turning into prose) is
+    followed within tens of rounds. Which arm plays never changes the output: only the oracle
+    decides what is emitted.
     """
 
-    def __init__(self, shape: TreeShape, explore_every: int = 8, decay: float = 0.7) -> None:
-        if not isinstance(explore_every, int) or explore_every < 2:
+    def __init__(self, shape: TreeShape, explore_every: int = 8, decay: float = 0.7,
+                 max_interval: int = 64) -> None:
+        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 2:
             raise ValueError(f"explore_every must be an integer >= 2, got {explore_every!r}")
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
@@ -150,6 +154,7 @@ class DepthController:
             d *= 2
         self.depths = sorted(depths)
         self.explore_every = explore_every
+        self.max_interval = max(max_interval, explore_every)
         self.decay = decay
         n = len(self.depths)
         self.tokens = [0.0] * n
@@ -157,6 +162,10 @@ class DepthController:
         self.plays = [0] * n
         self.last = [-1] * n  # round an arm was last measured
         self.rounds = 0
+        self.interval = explore_every
+        self.next_explore = explore_every
+        self.exploring: tuple[int, int] | None = None  # (arm measured, best before it)
+        self.probe = [min(1, n - 1), 0]
 
     def limits(self, arm: int) -> tuple[int, int]:
         """(node budget, max depth) of an arm."""
@@ -169,23 +178,37 @@ class DepthController:
     def rate(self, arm: int) -> float:
         return self.tokens[arm] / self.seconds[arm] if self.seconds[arm] > 0 else 0.0
 
+    def best(self) -> int:
+        played = [a for a in range(len(self.depths)) if self.plays[a]]
+        return max(played, key=lambda a: (self.rate(a), -a)) if played else self.probe[0]
+
     def choose(self) -> int:
-        untried = [a for a in range(len(self.depths)) if self.plays[a] == 0]
-        if untried:  # deepest first: the shape the user asked for is measured first
-            return untried[-1]
-        best = max(range(len(self.depths)), key=lambda a: (self.rate(a), -a))
-        if self.rounds % self.explore_every == self.explore_every - 1:
-            stale = min((a for a in range(len(self.depths)) if a != best), key=lambda a: self.last[a],
-                        default=best)
-            return stale
+        for a in self.probe:
+            if self.plays[a] == 0:
+                return a
+        best = self.best()
+        if self.rounds >= self.next_explore:
+            near = [a for a in (best - 1, best + 1) if 0 <= a < len(self.depths)]
+            if near:
+                arm = min(near, key=lambda a: (self.plays[a] > 0, self.last[a]))
+                self.exploring = (arm, best)
+                return arm
         return best
 
     def update(self, arm: int, tokens: int, seconds: float) -> None:
+        if self.rounds - self.last[arm] > 2 * self.explore_every:  # an old figure: measure afresh
+            self.tokens[arm] = self.seconds[arm] = 0.0
         self.tokens[arm] = self.decay * self.tokens[arm] + tokens
         self.seconds[arm] = self.decay * self.seconds[arm] + max(seconds, 1e-9)
         self.plays[arm] += 1
         self.last[arm] = self.rounds
         self.rounds += 1
+        if self.exploring is not None:
+            _, before = self.exploring
+            self.exploring = None
+            moved = self.best() != before
+            self.interval = self.explore_every if moved else min(2 * self.interval, self.max_interval)
+            self.next_explore = self.rounds + self.interval
 
     def summary(self) -> dict:
         """Per depth: rounds played and the latest tokens/s estimate."""
