@@ -14,6 +14,7 @@ i; None means all M entries form one chain ending in the new tokens (j <= M - N 
 """
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 
@@ -29,6 +30,7 @@ except ImportError:  # the C++ extension is not built: pure torch, same results 
     _cpu = None
 
 NATIVE_MAX_ROWS = 64  # above this (prefill) the stock GEMM and SDPA are faster
+_VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 
 
 class Backend:
@@ -50,13 +52,15 @@ class Backend:
     def commit(self, k: torch.Tensor, v: torch.Tensor, row: int, start: int, path: list[int]) -> None:
         raise NotImplementedError
 
-    def forward_blocks(self, x: torch.Tensor, layers: list[tuple[torch.Tensor, ...]], k: torch.Tensor,
-                       v: torch.Tensor, writes: list[int], starts: list[int], m: int,
-                       tree_mask: torch.Tensor | None, n_head: int, eps: float, scale: float,
-                       activation: str) -> torch.Tensor | None:
-        """Every decoder block in one call (x (B, N, C) -> x), or None: the model then runs its
-        own loop over the blocks with the operations above. ``layers``: 12 tensors per block in
-        ``GPT2._layer_tensors`` order; k, v: the whole cache (L, B, H, S, D)."""
+    def refresh(self, model) -> None:
+        """Called once per generation: pick up weights modified in place since the last one."""
+
+    def forward_model(self, model, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, writes: list[int], starts: list[int], m: int,
+                      tree_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor | None:
+        """A whole forward pass of ``model`` (a GPT2) in one call: logits (B, N, V) or (B, 1, V)
+        with ``last_only``, the new tokens' K/V written to slots writes[b]..; or None, and the
+        model runs its own loop with the operations above. k, v: the whole cache (L, B, H, S, D)."""
         return None
 
     def top_children(self, scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,12 +113,14 @@ class TorchBackend(Backend):
                 warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU",
                               stacklevel=2)
         self.native = bool(native)
-        # All blocks in one native call (``_cpu.forward_blocks``): the same kernels and ops in the
-        # same order as the model's loop, hence the same bits, without ~12 Python dispatches per block.
+        # The whole forward pass in one native call (``_cpu.NativeGPT2``) for few rows: no torch
+        # operator inside, which for small models costs more than the arithmetic. Off, the model
+        # runs its own loop over the few-row kernels below (a reference; STAGED_ENGINE_FUSED=0).
         if fused is None:
             fused = os.environ.get("STAGED_ENGINE_FUSED", "1") != "0"
         self.fused = bool(fused) and self.native
-        self._blocks: dict[int, tuple] = {}  # id(layers) -> (layers, versions, streamed weights)
+        # id(model) -> (model, layer tensors, version sum, NativeGPT2, every weight tensor)
+        self._natives: dict[int, tuple] = {}
         # weight -> its float16 twin, for weights whose values fp16 holds exactly (see _stream_weight)
         self._half: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
 
@@ -144,26 +150,42 @@ class TorchBackend(Backend):
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
-    def _block_weights(self, layers: list[tuple[torch.Tensor, ...]]) -> list[torch.Tensor]:
-        """The flat weight list for ``_cpu.forward_blocks``: linear weights as the tensors the
-        kernel streams (their exact fp16 twins where they exist), the rest as they are."""
-        versions = tuple(t._version for layer in layers for t in layer)
-        entry = self._blocks.get(id(layers))
-        if entry is None or entry[0] is not layers or entry[1] != versions:
-            flat = []
-            for layer in layers:
-                flat.extend(self._stream_weight(t) if i in (2, 4, 8, 10) else t for i, t in enumerate(layer))
-            entry = (layers, versions, flat)
-            self._blocks[id(layers)] = entry
-        return entry[2]
+    def _native_model(self, model):
+        """The model packed for ``_cpu.NativeGPT2``, built at first use (see ``refresh``)."""
+        entry = self._natives.get(id(model))
+        if entry is None or entry[0] is not model or entry[1] is not model._layer_tensors():
+            entry = self._pack(model)
+        return entry[3]
 
-    def forward_blocks(self, x, layers, k, v, writes, starts, m, tree_mask, n_head, eps, scale, activation):
-        b, n, _ = x.shape
-        if not (self.fused and self._use_native(x, b * n)) or k.dtype != torch.float32:
+    def refresh(self, model) -> None:
+        """Re-pack ``model`` if a weight was modified in place since it was packed (checked once
+        per generation, by ``ModelRunner.reset``: reading 100 version counters costs ~30 us)."""
+        entry = self._natives.get(id(model))
+        if entry is not None and (entry[0] is not model or entry[2] != sum(map(_VERSION, entry[4]))):
+            self._pack(model)
+
+    def _pack(self, model) -> tuple:
+        tensors = self._model_tensors(model)
+        cfg = model.config
+        native = _cpu.NativeGPT2(model.wte.weight, model.wpe.weight,
+                                 [t for layer in model._layer_tensors() for t in layer],
+                                 model.ln_f.weight, model.ln_f.bias, cfg.n_head, cfg.layer_norm_epsilon,
+                                 model.act_kind)
+        entry = (model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors)
+        self._natives[id(model)] = entry
+        return entry
+
+    @staticmethod
+    def _model_tensors(model) -> list[torch.Tensor]:
+        flat = [t for layer in model._layer_tensors() for t in layer]
+        return [model.wte.weight, model.wpe.weight, model.ln_f.weight, model.ln_f.bias, *flat]
+
+    def forward_model(self, model, tokens, positions, k, v, writes, starts, m, tree_mask, last_only):
+        b, n = tokens.shape
+        if not (self.fused and self._use_native(k, b * n)) or model.wte.weight.dtype != torch.float32:
             return None
         mask = tree_mask.contiguous() if tree_mask is not None else None
-        return _cpu.forward_blocks(x.contiguous(), self._block_weights(layers), k, v, writes, starts, m, mask,
-                                   n_head, eps, scale, activation)
+        return self._native_model(model).forward(tokens, positions, k, v, writes, starts, m, mask, last_only)
 
     def top_children(self, scores, k):
         if self._use_native(scores, 1) and scores.dim() == 2 and k <= 64:

@@ -115,12 +115,15 @@ class GPT2(nn.Module):
         if tree_mask is not None and tuple(tree_mask.shape[-2:]) != (n, m):
             raise ValueError(f"tree_mask must be ({n}, {m}) for {n} new tokens after {cache.pending} "
                              f"pending entries, got {tuple(tree_mask.shape)}")
+        logits = be.forward_model(self, tokens, positions, cache.k, cache.v, writes, starts, m, tree_mask,
+                                  last_only)
+        if logits is not None:  # the whole pass in one native call
+            cache.pending = m
+            return logits
         c, eps = (cfg.n_embd,), cfg.layer_norm_epsilon
         x = F.embedding(tokens, self.wte.weight) + F.embedding(positions, self.wpe.weight)  # (B, N, C)
-        fused = be.forward_blocks(x, self._layer_tensors(), cache.k, cache.v, writes, starts, m, tree_mask,
-                                  cfg.n_head, eps, cfg.attn_scale, self.act_kind)
         for layer, (ln1w, ln1b, qkvw, qkvb, aow, aob, ln2w, ln2b, fcw, fcb, mpw, mpb) in \
-                enumerate(self._layer_tensors() if fused is None else ()):
+                enumerate(self._layer_tensors()):
             h = F.layer_norm(x, c, ln1w, ln1b, eps)
             qkv = be.linear(h, qkvw, qkvb)  # (B, N, 3C)
             q = be.append_qkv(qkv, cache.k[layer], cache.v[layer], writes, cfg.n_head)  # (B, H, N, D)
@@ -130,8 +133,6 @@ class GPT2(nn.Module):
             h = F.layer_norm(x, c, ln2w, ln2b, eps)
             h = self.act(be.linear(h, fcw, fcb))  # (B, N, 4C)
             x = x + be.linear(h, mpw, mpb)
-        if fused is not None:
-            x = fused
         cache.pending = m
         if last_only:
             x = x[:, -1:]

@@ -37,6 +37,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.cache.reset()
+        self.cache.backend.refresh(self.model)
         self.calls = 0
         self.forward_seconds = 0.0
         self.nodes = 0

@@ -1,0 +1,599 @@
+// The native decode path: a whole GPT-2 forward pass over a few rows (1-64 tree nodes per cache
+// row) in one call, with no torch operator inside.
+//
+// Why: for models of a few million parameters a forward pass through torch pays ~100 operator
+// dispatches (layer norms, adds, views, copies) that cost more than the arithmetic. Here the
+// weights are packed once, every step is a plain loop over preallocated buffers, and the two
+// (or more) threads share one OpenMP region per forward, meeting at a barrier after each
+// matrix product, as llama.cpp's graph executor does.
+//
+// Packed weights: a linear's (M, K) weight becomes panels of kLanes output features, each
+// stored k-major: panel p holds w[p*kLanes + l, k] at [p][k][l]. A product then broadcasts one
+// activation x[r, k] against a whole panel vector, so each output lane is a single FMA chain over
+// k = 0, 1, ..., K-1 with no horizontal reduction. That chain depends on nothing but the row
+// itself: results do not depend on how many rows a call computes, so a tree node's logits and
+// K/V are bit-identical to what plain one-token decoding computes for the same token (the
+// speculative strategies' exactness rests on this). Weights whose values float16 holds exactly
+// (checkpoints stored in fp16) are packed as fp16 and widened in registers: same bits, half the
+// bytes streamed.
+//
+// Layout of the caches: k, v (L, B, H, S, D) float32, unit stride over D. Row b's committed slots are
+// [0, starts[b]); the M uncommitted entries sit at [starts[b], starts[b] + M), the new N of this
+// call at [writes[b], writes[b] + N) (the last N of them). The mask (N, M) or (B, N, M) bool tells
+// which uncommitted entries each new token sees; none means one chain (j <= M - N + i).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cpu_simd.h"
+
+namespace py = pybind11;
+using namespace se_simd;
+
+namespace {
+
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  throw py::value_error(os.str());
+}
+#define NF_CHECK(cond, ...) \
+  do {                      \
+    if (!(cond)) fail(__VA_ARGS__); \
+  } while (0)
+
+// Rows per register block and panels per register block. Accumulators: kRows * kPanels vectors.
+#if defined(__AVX512F__)
+constexpr int kPanels = 4;  // 64 output features; 4 x 4 = 16 of the 32 zmm registers
+#else
+constexpr int kPanels = 2;  // 16 output features; 4 x 2 = 8 of the 16 ymm registers
+#endif
+constexpr int kRows = 4;
+
+enum class Epilogue { kStore, kResidual, kGeluTanh, kGelu, kRelu };
+
+struct PackedLinear {
+  int64_t M = 0, K = 0, panels = 0;
+  bool half = false;
+  // Panels come in groups of kPanels (the last group may hold fewer, np), each group stored
+  // k-major and interleaved, (K, np, kLanes), so a register block streams one sequential run.
+  std::vector<uint16_t> wh;  // float16 bits
+  std::vector<float> wf;     // float32
+  std::vector<float> bias;   // (panels * kLanes), zero-padded; empty when there is none
+
+  size_t bytes() const { return half ? wh.size() * 2 : wf.size() * 4; }
+};
+
+PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::Tensor>& b_in, const char* name) {
+  NF_CHECK(w_in.dim() == 2, name, " must be 2-D (out, in), got ", w_in.dim(), " dimensions");
+  NF_CHECK(w_in.scalar_type() == torch::kFloat32, name, " must be float32, got ", w_in.scalar_type());
+  const torch::Tensor w = w_in.contiguous();
+  PackedLinear p;
+  p.M = w.size(0);
+  p.K = w.size(1);
+  NF_CHECK(p.M >= 1 && p.K >= 1, name, " is empty");
+  p.panels = (p.M + kLanes - 1) / kLanes;
+  const float* src = w.data_ptr<float>();
+  bool exact = true;
+  for (int64_t i = 0, n = w.numel(); i < n && exact; ++i) {
+    const float x = src[i];
+    exact = std::isfinite(x) && static_cast<float>(c10::Half(x)) == x;
+  }
+  p.half = exact;
+  const int64_t total = p.panels * p.K * kLanes;
+  if (exact) p.wh.assign(total, 0); else p.wf.assign(total, 0.f);
+  for (int64_t m = 0; m < p.M; ++m) {
+    const int64_t panel = m / kLanes, lane = m % kLanes;
+    const int64_t g = panel / kPanels, j = panel % kPanels;
+    const int64_t np = std::min<int64_t>(kPanels, p.panels - g * kPanels);  // panels in this group
+    const int64_t base = g * kPanels * p.K * kLanes;
+    for (int64_t k = 0; k < p.K; ++k) {
+      const float x = src[m * p.K + k];
+      const int64_t at = base + (k * np + j) * kLanes + lane;
+      if (exact) p.wh[at] = c10::Half(x).x; else p.wf[at] = x;
+    }
+  }
+  if (b_in.has_value() && b_in->defined()) {
+    const torch::Tensor b = b_in->contiguous();
+    NF_CHECK(b.dim() == 1 && b.size(0) == p.M && b.scalar_type() == torch::kFloat32,
+             name, " bias must be float32 (", p.M, "), got ", b.sizes());
+    p.bias.assign(p.panels * kLanes, 0.f);
+    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + p.M, p.bias.begin());
+  }
+  return p;
+}
+
+
+// gelu with tanh (HF gelu_new): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+// tanh(u) = 1 - 2 / (exp(2u) + 1), exact at both saturations.
+inline vec vgelu_tanh(vec x) {
+  const vec u = vmul(vset1(0.7978845608028654f), vfma(vmul(vset1(0.044715f), vmul(x, x)), x, x));
+  const vec e = vexp(vadd(u, u));
+  const vec t = vsub(vset1(1.f), vdiv(vset1(2.f), vadd(e, vset1(1.f))));
+  return vmul(vmul(vset1(0.5f), x), vadd(vset1(1.f), t));
+}
+
+// One register block: rows [r0, r0 + NR) x panels [p0, p0 + NP) of y = x W^T + b, then the
+// epilogue. x rows have stride ldx; y rows stride ldy (>= M; the features past M are not stored).
+template <int NR, int NP>
+inline void block(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t r0,
+                  int64_t p0, Epilogue ep) {
+  vec acc[NR][NP];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = vzero();
+  const float* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x + (r0 + r) * ldx;
+  const int64_t K = L.K, base = p0 * K * kLanes;  // p0 starts a group of NP panels
+  constexpr int64_t kAhead = 8;  // k steps of software prefetch: NP * kLanes weights a step
+  if (L.half) {
+    const uint16_t* w = L.wh.data() + base;
+    for (int64_t k = 0; k < K; ++k, w += NP * kLanes) {
+      for (int64_t off = 0; off < NP * kLanes * 2; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * NP * kLanes) + off, _MM_HINT_T0);
+      vec wv[NP];
+      for (int j = 0; j < NP; ++j) wv[j] = vload_h(w + j * kLanes);
+      for (int r = 0; r < NR; ++r) {
+        const vec xv = vset1(xr[r][k]);
+        for (int j = 0; j < NP; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
+      }
+    }
+  } else {
+    const float* w = L.wf.data() + base;
+    for (int64_t k = 0; k < K; ++k, w += NP * kLanes) {
+      for (int64_t off = 0; off < NP * kLanes * 4; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * NP * kLanes) + off, _MM_HINT_T0);
+      vec wv[NP];
+      for (int j = 0; j < NP; ++j) wv[j] = vload(w + j * kLanes);
+      for (int r = 0; r < NR; ++r) {
+        const vec xv = vset1(xr[r][k]);
+        for (int j = 0; j < NP; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    const int64_t col = (p0 + j) * kLanes;
+    const int64_t valid = std::min<int64_t>(kLanes, L.M - col);
+    const vec bv = L.bias.empty() ? vzero() : vload(L.bias.data() + col);
+    for (int r = 0; r < NR; ++r) {
+      float* out = y + (r0 + r) * ldy + col;
+      vec v = L.bias.empty() ? acc[r][j] : vadd(acc[r][j], bv);
+      switch (ep) {
+        case Epilogue::kResidual: {  // y is the residual stream: y = y + (x W^T + b)
+          const vec old = valid == kLanes ? vload(out) : vload_tail(out, valid);
+          v = vadd(old, v);
+          break;
+        }
+        case Epilogue::kGeluTanh: v = vgelu_tanh(v); break;
+        case Epilogue::kRelu: v = vmax(v, vzero()); break;
+        default: break;
+      }
+      if (ep == Epilogue::kGelu) {  // exact (erf) gelu: rare in GPT-2 checkpoints, done per lane
+        alignas(64) float tmp[kLanes];
+        vstore(tmp, v);
+        for (int64_t l = 0; l < valid; ++l) out[l] = 0.5f * tmp[l] * (1.f + std::erf(tmp[l] * 0.70710678118654752f));
+        continue;
+      }
+      if (valid == kLanes) vstore(out, v); else vstore_tail(out, v, valid);
+    }
+  }
+}
+
+template <int NR>
+inline void block_np(int np, const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy,
+                     int64_t r0, int64_t p0, Epilogue ep) {
+  switch (np) {
+#if defined(__AVX512F__)
+    case 4: block<NR, 4>(L, x, ldx, y, ldy, r0, p0, ep); break;
+    case 3: block<NR, 3>(L, x, ldx, y, ldy, r0, p0, ep); break;
+#endif
+    case 2: block<NR, 2>(L, x, ldx, y, ldy, r0, p0, ep); break;
+    default: block<NR, 1>(L, x, ldx, y, ldy, r0, p0, ep); break;
+  }
+}
+
+// This thread's share of y (R, M) = epilogue(x (R, K) W^T + b): a contiguous range of panel
+// groups, every row. Ends without a barrier.
+void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
+                 Epilogue ep, int tid, int nt) {
+  const int64_t groups = (L.panels + kPanels - 1) / kPanels;
+  const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t p0 = g * kPanels;
+    const int np = static_cast<int>(std::min<int64_t>(kPanels, L.panels - p0));
+    for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+      switch (std::min<int64_t>(kRows, R - r0)) {
+        case 4: block_np<4>(np, L, x, ldx, y, ldy, r0, p0, ep); break;
+        case 3: block_np<3>(np, L, x, ldx, y, ldy, r0, p0, ep); break;
+        case 2: block_np<2>(np, L, x, ldx, y, ldy, r0, p0, ep); break;
+        default: block_np<1>(np, L, x, ldx, y, ldy, r0, p0, ep); break;
+      }
+    }
+  }
+}
+
+// y = (x - mean) / sqrt(var + eps) * w + b over one row of C, in a fixed order.
+void layer_norm_row(const float* x, const float* w, const float* b, float eps, int64_t C, float* y) {
+  const int64_t full = C - C % kLanes;
+  vec s = vzero();
+  for (int64_t c = 0; c < full; c += kLanes) s = vadd(s, vload(x + c));
+  float sum = vsum(s);
+  for (int64_t c = full; c < C; ++c) sum += x[c];
+  const float mean = sum / static_cast<float>(C);
+  const vec vm = vset1(mean);
+  vec q = vzero();
+  for (int64_t c = 0; c < full; c += kLanes) {
+    const vec d = vsub(vload(x + c), vm);
+    q = vfma(d, d, q);
+  }
+  float var = vsum(q);
+  for (int64_t c = full; c < C; ++c) var += (x[c] - mean) * (x[c] - mean);
+  const float rstd = 1.f / std::sqrt(var / static_cast<float>(C) + eps);
+  const vec vr = vset1(rstd);
+  for (int64_t c = 0; c < full; c += kLanes)
+    vstore(y + c, vfma(vmul(vsub(vload(x + c), vm), vr), vload(w + c), vload(b + c)));
+  for (int64_t c = full; c < C; ++c) y[c] = (x[c] - mean) * rstd * w[c] + b[c];
+}
+
+// ---------------------------------------------------------------- attention of one (row, head)
+// All of a head's new tokens (queries) at once. Query q sees the slot list lists[q]: the
+// committed slots 0..common-1 (shared by every query), then its visible pending slots. Each K and
+// V row of the shared part is loaded once for all queries, instead of once per query (with a
+// float32 cache of a few hundred slots, re-reading it per query cost as much memory traffic as
+// the weights). Per query the arithmetic is one fixed sequence, whatever the other queries are:
+// scores four list entries at a time (an FMA chain over D, then vsum4), softmax, and values in
+// even/odd pairs of list entries; the shared part is cut at a multiple of 4 (scores) and of 2
+// (values) of the list index, so the pairing and grouping match the per-query continuation.
+struct HeadQuery {
+  const float* q;          // (D)
+  const int64_t* slots;    // its slot list
+  int64_t n;               // list length
+  float* p;                // scratch, >= n + kLanes
+  float* out;              // (D)
+};
+
+inline void score4(const float* qi, const float* const* kr, int64_t D, float sc, float* dst, int64_t cnt) {
+  vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes) {
+    const vec qv = vload(qi + d);
+    for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, vload(kr[u] + d), acc[u]);
+  }
+  if (d < D) {
+    const vec qv = vload_tail(qi + d, D - d);
+    for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, vload_tail(kr[u] + d, D - d), acc[u]);
+  }
+  alignas(16) float four[4];
+  _mm_store_ps(four, _mm_mul_ps(vsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(sc)));
+  for (int64_t u = 0; u < cnt; ++u) dst[u] = four[u];
+}
+
+template <int C>
+void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, int64_t ks, int64_t D) {
+  const int64_t tail = D - (C - 1) * kLanes;
+  auto vrow = [&](const float* v, int c) {
+    return (c < C - 1 || tail == kLanes) ? vload(v + c * kLanes) : vload_tail(v + c * kLanes, tail);
+  };
+  const int64_t shared = common - common % 2;
+  for (int64_t q0 = 0; q0 < nq; q0 += 2) {  // two queries' accumulators fit the registers
+    const int64_t cnt = std::min<int64_t>(2, nq - q0);
+    vec even[2][C], odd[2][C];
+    for (int64_t u = 0; u < 2; ++u)
+      for (int c = 0; c < C; ++c) even[u][c] = odd[u][c] = vzero();
+    for (int64_t s = 0; s < shared; s += 2) {
+      const float* v0 = vbase + s * ks;
+      const float* v1 = v0 + ks;
+      for (int c = 0; c < C; ++c) {
+        const vec a = vrow(v0, c), b = vrow(v1, c);
+        for (int64_t u = 0; u < cnt; ++u) {
+          even[u][c] = vfma(vset1(qs[q0 + u].p[s]), a, even[u][c]);
+          odd[u][c] = vfma(vset1(qs[q0 + u].p[s + 1]), b, odd[u][c]);
+        }
+      }
+    }
+    for (int64_t u = 0; u < cnt; ++u) {
+      HeadQuery& hq = qs[q0 + u];
+      int64_t s = shared;
+      for (; s + 1 < hq.n; s += 2) {
+        const float* v0 = vbase + hq.slots[s] * ks;
+        const float* v1 = vbase + hq.slots[s + 1] * ks;
+        for (int c = 0; c < C; ++c) {
+          even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
+          odd[u][c] = vfma(vset1(hq.p[s + 1]), vrow(v1, c), odd[u][c]);
+        }
+      }
+      if (s < hq.n) {
+        const float* v0 = vbase + hq.slots[s] * ks;
+        for (int c = 0; c < C; ++c) even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
+      }
+      float den = 0.f;  // the softmax normaliser was left in p[n] by head_attention
+      std::memcpy(&den, hq.p + hq.n, sizeof(float));
+      const vec vinv = vset1(den);
+      for (int c = 0; c < C; ++c) {
+        const vec r = vmul(vadd(even[u][c], odd[u][c]), vinv);
+        if (c < C - 1 || tail == kLanes) vstore(hq.out + c * kLanes, r); else vstore_tail(hq.out + c * kLanes, r, tail);
+      }
+    }
+  }
+}
+
+// Scores, softmax and values for the queries of one (row, head); D <= 4 * kLanes uses the grouped
+// value pass, larger heads go query by query.
+void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbase, const float* vbase, int64_t ks,
+                    int64_t D, float sc) {
+  const int64_t shared = common - common % 4;
+  for (int64_t s0 = 0; s0 < shared; s0 += 4) {
+    const float* kr[4] = {kbase + s0 * ks, kbase + (s0 + 1) * ks, kbase + (s0 + 2) * ks, kbase + (s0 + 3) * ks};
+    for (int64_t q = 0; q < nq; ++q) score4(qs[q].q, kr, D, sc, qs[q].p + s0, 4);
+  }
+  for (int64_t q = 0; q < nq; ++q) {
+    HeadQuery& hq = qs[q];
+    for (int64_t s0 = shared; s0 < hq.n; s0 += 4) {
+      const int64_t cnt = std::min<int64_t>(4, hq.n - s0);
+      const float* kr[4];
+      for (int64_t u = 0; u < 4; ++u) kr[u] = kbase + hq.slots[s0 + std::min(u, cnt - 1)] * ks;
+      score4(hq.q, kr, D, sc, hq.p + s0, cnt);
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < hq.n; ++s) mx = std::max(mx, hq.p[s]);
+    const vec vmx = vset1(mx);
+    vec vden = vzero();
+    for (int64_t s = 0; s < hq.n; s += kLanes) {
+      const int64_t t = std::min<int64_t>(kLanes, hq.n - s);
+      if (t == kLanes) {
+        const vec e = vexp(vsub(vload(hq.p + s), vmx));
+        vstore(hq.p + s, e);
+        vden = vadd(vden, e);
+      } else {
+        const vec e = vexp(vsub(vload_tail(hq.p + s, t), vmx));
+        vstore_tail(hq.p + s, e, t);
+        vden = vadd(vden, vload_tail(hq.p + s, t));
+      }
+    }
+    const float inv = 1.f / vsum(vden);
+    std::memcpy(hq.p + hq.n, &inv, sizeof(float));
+  }
+  switch ((D + kLanes - 1) / kLanes) {
+    case 1: head_values<1>(qs, nq, common, vbase, ks, D); break;
+    case 2: head_values<2>(qs, nq, common, vbase, ks, D); break;
+    case 3: head_values<3>(qs, nq, common, vbase, ks, D); break;
+    case 4: head_values<4>(qs, nq, common, vbase, ks, D); break;
+    default:
+      for (int64_t q = 0; q < nq; ++q) {
+        HeadQuery& hq = qs[q];
+        float inv;
+        std::memcpy(&inv, hq.p + hq.n, sizeof(float));
+        for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+          const int64_t t = std::min<int64_t>(kLanes, D - d0);
+          vec acc = vzero();
+          for (int64_t s = 0; s < hq.n; ++s) {
+            const float* vr = vbase + hq.slots[s] * ks + d0;
+            acc = vfma(vset1(hq.p[s]), t == kLanes ? vload(vr) : vload_tail(vr, t), acc);
+          }
+          acc = vmul(acc, vset1(inv));
+          if (t == kLanes) vstore(hq.out + d0, acc); else vstore_tail(hq.out + d0, acc, t);
+        }
+      }
+  }
+}
+
+struct Block {
+  std::vector<float> ln1w, ln1b, ln2w, ln2b;
+  PackedLinear qkv, proj, fc, mproj;
+};
+
+std::vector<float> to_vec(const torch::Tensor& t, int64_t n, const char* name) {
+  NF_CHECK(t.dim() == 1 && t.size(0) == n && t.scalar_type() == torch::kFloat32, name,
+           " must be float32 (", n, "), got ", t.scalar_type(), " ", t.sizes());
+  const torch::Tensor c = t.contiguous();
+  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + n);
+}
+
+}  // namespace
+
+// A GPT-2 model packed for the native decode path. Holds its own copy of the weights.
+class NativeGPT2 {
+ public:
+  NativeGPT2(const torch::Tensor& wte, const torch::Tensor& wpe, const std::vector<torch::Tensor>& blocks,
+             const torch::Tensor& lnf_w, const torch::Tensor& lnf_b, int64_t n_head, double eps,
+             const std::string& activation)
+      : n_head_(n_head), eps_(static_cast<float>(eps)) {
+    NF_CHECK(wte.dim() == 2 && wte.scalar_type() == torch::kFloat32, "wte must be float32 (vocab, n_embd)");
+    NF_CHECK(wpe.dim() == 2 && wpe.scalar_type() == torch::kFloat32 && wpe.size(1) == wte.size(1),
+             "wpe must be float32 (n_positions, n_embd)");
+    V_ = wte.size(0);
+    C_ = wte.size(1);
+    P_ = wpe.size(0);
+    NF_CHECK(blocks.size() % 12 == 0 && !blocks.empty(), "blocks needs 12 tensors per block, got ", blocks.size());
+    NF_CHECK(n_head >= 1 && C_ % n_head == 0, "n_head (", n_head, ") must divide n_embd (", C_, ")");
+    if (activation == "gelu_tanh") act_ = Epilogue::kGeluTanh;
+    else if (activation == "gelu") act_ = Epilogue::kGelu;
+    else if (activation == "relu") act_ = Epilogue::kRelu;
+    else fail("activation must be gelu_tanh, gelu or relu, got ", activation);
+    D_ = C_ / n_head;
+    wte_ = wte.contiguous();
+    wpe_ = wpe.contiguous();
+    for (size_t i = 0; i < blocks.size(); i += 12) {
+      const torch::Tensor* w = &blocks[i];
+      Block b;
+      b.ln1w = to_vec(w[0], C_, "ln_1.weight");
+      b.ln1b = to_vec(w[1], C_, "ln_1.bias");
+      b.qkv = pack_linear(w[2], w[3], "attn.c_attn");
+      b.proj = pack_linear(w[4], w[5], "attn.c_proj");
+      b.ln2w = to_vec(w[6], C_, "ln_2.weight");
+      b.ln2b = to_vec(w[7], C_, "ln_2.bias");
+      b.fc = pack_linear(w[8], w[9], "mlp.c_fc");
+      b.mproj = pack_linear(w[10], w[11], "mlp.c_proj");
+      NF_CHECK(b.qkv.M == 3 * C_ && b.qkv.K == C_, "attn.c_attn must be (", 3 * C_, ", ", C_, ")");
+      NF_CHECK(b.proj.M == C_ && b.proj.K == C_, "attn.c_proj must be (", C_, ", ", C_, ")");
+      NF_CHECK(b.fc.K == C_ && b.mproj.M == C_ && b.mproj.K == b.fc.M, "mlp shapes do not chain");
+      inner_ = b.fc.M;
+      blocks_.push_back(std::move(b));
+    }
+    lnfw_ = to_vec(lnf_w, C_, "ln_f.weight");
+    lnfb_ = to_vec(lnf_b, C_, "ln_f.bias");
+    head_ = pack_linear(wte_, c10::nullopt, "wte (LM head)");
+  }
+
+  int64_t weight_bytes() const {
+    size_t total = head_.bytes();
+    for (const auto& b : blocks_) total += b.qkv.bytes() + b.proj.bytes() + b.fc.bytes() + b.mproj.bytes();
+    return static_cast<int64_t>(total);
+  }
+  bool half() const { return head_.half; }
+
+  // tokens, positions (B, N) int64; returns logits (B, N, V), or (B, 1, V) with last_only.
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions, torch::Tensor k_all,
+                        torch::Tensor v_all, const std::vector<int64_t>& writes, const std::vector<int64_t>& starts,
+                        int64_t M, const c10::optional<torch::Tensor>& mask_in, bool last_only) {
+    NF_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kInt64 && positions.sizes() == tokens.sizes() &&
+                 positions.scalar_type() == torch::kInt64,
+             "tokens and positions must be int64 (B, N) and alike");
+    const int64_t B = tokens.size(0), N = tokens.size(1), R = B * N, L = static_cast<int64_t>(blocks_.size());
+    NF_CHECK(B >= 1 && N >= 1, "tokens must not be empty");
+    NF_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
+                 k_all.strides() == v_all.strides() && k_all.stride(4) == 1 &&
+                 k_all.scalar_type() == torch::kFloat32 && v_all.scalar_type() == torch::kFloat32,
+             "k_cache and v_cache must be float32 (L, B, H, S, D) with unit stride over D, and alike");
+    NF_CHECK(k_all.size(0) == L && k_all.size(1) == B && k_all.size(2) == n_head_ && k_all.size(4) == D_,
+             "the cache must be (", L, ", ", B, ", ", n_head_, ", S, ", D_, "), got ", k_all.sizes());
+    const int64_t S = k_all.size(3);
+    NF_CHECK(static_cast<int64_t>(writes.size()) == B && static_cast<int64_t>(starts.size()) == B,
+             "writes and starts need one entry per row");
+    NF_CHECK(M >= N, "m (uncommitted entries) must be >= the new tokens");
+    for (int64_t b = 0; b < B; ++b) {
+      NF_CHECK(starts[b] >= 0 && starts[b] + M <= S, "row ", b, ": slots exceed the cache");
+      NF_CHECK(writes[b] == starts[b] + M - N, "row ", b, ": the new tokens must be the last of the m entries");
+    }
+    torch::Tensor tok = tokens.contiguous(), pos = positions.contiguous();
+    const int64_t* tp = tok.data_ptr<int64_t>();
+    const int64_t* pp = pos.data_ptr<int64_t>();
+    for (int64_t r = 0; r < R; ++r) {
+      NF_CHECK(tp[r] >= 0 && tp[r] < V_, "token id ", tp[r], " is outside the vocabulary [0, ", V_, ")");
+      NF_CHECK(pp[r] >= 0 && pp[r] < P_, "position ", pp[r], " is outside [0, ", P_, ")");
+    }
+    const bool* mp = nullptr;
+    bool mask_per_row = false;
+    torch::Tensor mask;
+    if (mask_in.has_value() && mask_in->defined()) {
+      mask = mask_in->contiguous();
+      NF_CHECK(mask.scalar_type() == torch::kBool, "mask must be bool");
+      NF_CHECK((mask.dim() == 2 && mask.size(0) == N && mask.size(1) == M) ||
+                   (mask.dim() == 3 && mask.size(0) == B && mask.size(1) == N && mask.size(2) == M),
+               "mask must be (N, m) or (B, N, m) = (", N, ", ", M, ")");
+      mask_per_row = mask.dim() == 3;
+      mp = mask.data_ptr<bool>();
+    }
+
+    const int64_t C = C_, C3 = 3 * C_, F = inner_, H = n_head_, D = D_;
+    const int64_t out_rows = last_only ? B : R;
+    auto logits = torch::empty({B, last_only ? 1 : N, V_}, torch::dtype(torch::kFloat32));
+    std::vector<float> x(R * C), qkv(R * C3), att(R * C), ff(R * F);
+    // The residual stream: token + position embeddings.
+    const float* wte = wte_.data_ptr<float>();
+    const float* wpe = wpe_.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < C; ++c) x[r * C + c] = wte[tp[r] * C + c] + wpe[pp[r] * C + c];
+    float* kp = k_all.data_ptr<float>();
+    float* vp = v_all.data_ptr<float>();
+    const int64_t s_l = k_all.stride(0), s_b = k_all.stride(1), s_h = k_all.stride(2), s_s = k_all.stride(3);
+    float* lp = logits.data_ptr<float>();
+    const float scale = 1.f / std::sqrt(static_cast<float>(D));
+    const int nt = std::max(1, std::min<int>(at::get_num_threads(), 64));
+
+#pragma omp parallel num_threads(nt)
+    {
+      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+      std::vector<float> h(R * C);  // this thread's copy of the normalised rows
+      std::vector<std::vector<int64_t>> lists;  // per query: its visible slots
+      std::vector<HeadQuery> hq;
+      std::vector<float> p;
+      for (int64_t l = 0; l < L; ++l) {
+        const Block& blk = blocks_[l];
+        for (int64_t r = 0; r < R; ++r)
+          layer_norm_row(&x[r * C], blk.ln1w.data(), blk.ln1b.data(), eps_, C, &h[r * C]);
+        linear_part(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, tid, nth);
+#pragma omp barrier
+        // The new tokens' keys and values go to their cache slots, (b, h) pairs split over threads.
+        for (int64_t w = tid; w < B * H; w += nth) {
+          const int64_t b = w / H, hh = w % H;
+          float* kd = kp + l * s_l + b * s_b + hh * s_h + writes[b] * s_s;
+          float* vd = vp + l * s_l + b * s_b + hh * s_h + writes[b] * s_s;
+          for (int64_t i = 0; i < N; ++i) {
+            const float* src = &qkv[(b * N + i) * C3 + hh * D];
+            std::copy(src + C, src + C + D, kd + i * s_s);
+            std::copy(src + 2 * C, src + 2 * C + D, vd + i * s_s);
+          }
+        }
+#pragma omp barrier
+        for (int64_t w = tid; w < B * H; w += nth) {
+          const int64_t b = w / H, hh = w % H, start = starts[b];
+          lists.resize(N);
+          hq.resize(N);
+          p.resize(N * (start + M + 2 * kLanes));
+          for (int64_t i = 0; i < N; ++i) {
+            std::vector<int64_t>& sl = lists[i];
+            sl.clear();
+            for (int64_t s = 0; s < start; ++s) sl.push_back(s);
+            for (int64_t j = 0; j < M; ++j) {
+              const bool visible = mp ? mp[(mask_per_row ? b * N * M : 0) + i * M + j] : (j <= M - N + i);
+              if (visible) sl.push_back(start + j);
+            }
+            hq[i] = HeadQuery{&qkv[(b * N + i) * C3 + hh * D], sl.data(), static_cast<int64_t>(sl.size()),
+                              p.data() + i * (start + M + 2 * kLanes), &att[(b * N + i) * C + hh * D]};
+          }
+          head_attention(hq.data(), N, start, kp + l * s_l + b * s_b + hh * s_h, vp + l * s_l + b * s_b + hh * s_h,
+                         s_s, D, scale);
+        }
+#pragma omp barrier
+        linear_part(blk.proj, att.data(), C, x.data(), C, R, Epilogue::kResidual, tid, nth);
+#pragma omp barrier
+        for (int64_t r = 0; r < R; ++r)
+          layer_norm_row(&x[r * C], blk.ln2w.data(), blk.ln2b.data(), eps_, C, &h[r * C]);
+        linear_part(blk.fc, h.data(), C, ff.data(), F, R, act_, tid, nth);
+#pragma omp barrier
+        linear_part(blk.mproj, ff.data(), F, x.data(), C, R, Epilogue::kResidual, tid, nth);
+#pragma omp barrier
+      }
+      for (int64_t o = 0; o < out_rows; ++o) {
+        const int64_t r = last_only ? o * N + N - 1 : o;
+        layer_norm_row(&x[r * C], lnfw_.data(), lnfb_.data(), eps_, C, &h[o * C]);
+      }
+      linear_part(head_, h.data(), C, lp, V_, out_rows, Epilogue::kStore, tid, nth);
+    }
+    return logits;
+  }
+
+ private:
+  int64_t V_ = 0, C_ = 0, P_ = 0, D_ = 0, inner_ = 0, n_head_ = 0;
+  float eps_ = 1e-5f;
+  Epilogue act_ = Epilogue::kGeluTanh;
+  torch::Tensor wte_, wpe_;
+  std::vector<Block> blocks_;
+  std::vector<float> lnfw_, lnfb_;
+  PackedLinear head_;
+};
+
+void register_native_forward(py::module& m) {
+  py::class_<NativeGPT2>(m, "NativeGPT2",
+                         "A GPT-2 model packed for the native decode path: one call per forward pass")
+      .def(py::init<const torch::Tensor&, const torch::Tensor&, const std::vector<torch::Tensor>&,
+                    const torch::Tensor&, const torch::Tensor&, int64_t, double, const std::string&>(),
+           py::arg("wte"), py::arg("wpe"), py::arg("blocks"), py::arg("ln_f_weight"), py::arg("ln_f_bias"),
+           py::arg("n_head"), py::arg("eps"), py::arg("activation"))
+      .def("forward", &NativeGPT2::forward, "logits (B, N or 1, V) of N new tokens per row; writes their K/V",
+           py::arg("tokens"), py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("writes"),
+           py::arg("starts"), py::arg("m"), py::arg("mask") = py::none(), py::arg("last_only") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
+      .def_property_readonly("half", &NativeGPT2::half);
+}

@@ -1,0 +1,224 @@
+// SIMD helpers shared by the few-row CPU kernels (cpu_kernels.cpp) and the native decoder
+// (cpu_forward.cpp). The extension is compiled with -march=native on the machine that runs it,
+// so the vector width is chosen at build time: AVX-512 (16 lanes) or AVX2+FMA+F16C (8 lanes).
+#pragma once
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+namespace se_simd {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload_tail(const float* p, int64_t n) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline void vstore(float* p, vec a) { _mm512_storeu_ps(p, a); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float vmax_all(vec a) { return _mm512_reduce_max_ps(a); }
+inline vec vfloor(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vec vexp2i(vec y, vec n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
+// The lane sums of four vectors, as 4 floats; each sum uses one fixed tree of its own lanes.
+inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
+  auto half = [](vec a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+inline void vstore_tail(float* p, vec a, int64_t n) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1u), a);
+}
+// float16 weights, widened to float32 in registers (exact).
+inline vec vload_h(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vec vload_h_tail(const uint16_t* p, int64_t n) {
+  alignas(32) uint16_t buf[16] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = p[i];
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int64_t kLanes = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256i tail_mask(int64_t n) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), idx);
+}
+inline vec vload_tail(const float* p, int64_t n) { return _mm256_maskload_ps(p, tail_mask(n)); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec a) {
+  __m128 lo = _mm256_castps256_ps128(a), hi = _mm256_extractf128_ps(a, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+inline void vstore(float* p, vec a) { _mm256_storeu_ps(p, a); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float vmax_all(vec a) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+inline vec vfloor(vec a) { return _mm256_floor_ps(a); }
+inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+inline vec vexp2i(vec y, vec n) {  // y * 2^n for integral n in [-127, 128]
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+inline void vstore_tail(float* p, vec a, int64_t n) { _mm256_maskstore_ps(p, tail_mask(n), a); }
+inline vec vload_h(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vec vload_h_tail(const uint16_t* p, int64_t n) {
+  alignas(16) uint16_t buf[8] = {0};
+  for (int64_t i = 0; i < n; ++i) buf[i] = p[i];
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+}
+#else
+#error "staged_engine._cpu needs AVX2+FMA+F16C or AVX-512 (built with -march=native)"
+#endif
+
+// exp() on every lane (Cephes expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp).
+// One fixed sequence of operations per lane, so a lane's result never depends on its neighbours.
+inline vec vexp(vec x) {
+  x = vmax(x, vset1(-87.3365f));
+  x = vmin(x, vset1(88.3762f));
+  const vec n = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  x = vfma(n, vset1(-0.693359375f), x);
+  x = vfma(n, vset1(2.12194440e-4f), x);
+  vec y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vfma(y, vmul(x, x), vadd(x, vset1(1.0f)));
+  return vexp2i(y, n);
+}
+
+// out[0..D) = inv * sum_s p[s] * V[slots[s]], with D <= C * kLanes held in registers; even and
+// odd slots accumulate apart (two FMA chains per chunk), then add. The order of operations
+// depends only on the slot count, never on the other queries of the call.
+template <int C>
+inline void weighted_values(const float* p, const int64_t* slots, int64_t n_slots, const float* vbase,
+                            int64_t ks, int64_t D, float inv, float* out) {
+  const int64_t tail = D - (C - 1) * kLanes;
+  vec even[C], odd[C];
+  for (int c = 0; c < C; ++c) even[c] = odd[c] = vzero();
+  int64_t s = 0;
+  for (; s + 1 < n_slots; s += 2) {
+    const float* v0 = vbase + slots[s] * ks;
+    const float* v1 = vbase + slots[s + 1] * ks;
+    const vec p0 = vset1(p[s]), p1 = vset1(p[s + 1]);
+    for (int c = 0; c < C - 1; ++c) {
+      even[c] = vfma(p0, vload(v0 + c * kLanes), even[c]);
+      odd[c] = vfma(p1, vload(v1 + c * kLanes), odd[c]);
+    }
+    const int64_t o = (C - 1) * kLanes;
+    even[C - 1] = vfma(p0, tail == kLanes ? vload(v0 + o) : vload_tail(v0 + o, tail), even[C - 1]);
+    odd[C - 1] = vfma(p1, tail == kLanes ? vload(v1 + o) : vload_tail(v1 + o, tail), odd[C - 1]);
+  }
+  if (s < n_slots) {
+    const float* v0 = vbase + slots[s] * ks;
+    const vec p0 = vset1(p[s]);
+    for (int c = 0; c < C - 1; ++c) even[c] = vfma(p0, vload(v0 + c * kLanes), even[c]);
+    const int64_t o = (C - 1) * kLanes;
+    even[C - 1] = vfma(p0, tail == kLanes ? vload(v0 + o) : vload_tail(v0 + o, tail), even[C - 1]);
+  }
+  const vec vinv = vset1(inv);
+  for (int c = 0; c < C; ++c) {
+    const vec r = vmul(vadd(even[c], odd[c]), vinv);
+    if (c < C - 1 || tail == kLanes) vstore(out + c * kLanes, r); else vstore_tail(out + c * kLanes, r, tail);
+  }
+}
+
+// One query's attention output: out[0..D) = softmax(sc * q . K[slots]) . V[slots], visiting the
+// slots in the order given with a fixed reduction order, so the result depends only on the query
+// and the slots it sees. kbase/vbase point at the (slot 0, dim 0) of one (row, head); ks is the
+// stride between slots. p is scratch for at least n_slots + kLanes floats.
+inline void attend_one(const float* qi, const float* kbase, const float* vbase, int64_t ks, const int64_t* slots,
+                       int64_t n_slots, int64_t D, float sc, float* p, float* oi) {
+  // Scores four slots at a time: one FMA chain over D per slot, then vsum4's fixed tree.
+  for (int64_t s0 = 0; s0 < n_slots; s0 += 4) {
+    const int64_t cnt = std::min<int64_t>(4, n_slots - s0);
+    const float* kr[4];
+    for (int64_t u = 0; u < 4; ++u) kr[u] = kbase + slots[s0 + std::min(u, cnt - 1)] * ks;
+    vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    int64_t d = 0;
+    for (; d + kLanes <= D; d += kLanes) {
+      const vec qv = vload(qi + d);
+      for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, vload(kr[u] + d), acc[u]);
+    }
+    if (d < D) {
+      const vec qv = vload_tail(qi + d, D - d);
+      for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, vload_tail(kr[u] + d, D - d), acc[u]);
+    }
+    alignas(16) float four[4];
+    _mm_store_ps(four, _mm_mul_ps(vsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(sc)));
+    for (int64_t u = 0; u < cnt; ++u) p[s0 + u] = four[u];
+  }
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t s = 0; s < n_slots; ++s) mx = std::max(mx, p[s]);
+  // p = exp(p - max) and their sum, kLanes slots at a time (the tail lanes are masked off).
+  const vec vmx = vset1(mx);
+  vec vden = vzero();
+  for (int64_t s = 0; s < n_slots; s += kLanes) {
+    const int64_t t = std::min<int64_t>(kLanes, n_slots - s);
+    if (t == kLanes) {
+      const vec e = vexp(vsub(vload(p + s), vmx));
+      vstore(p + s, e);
+      vden = vadd(vden, e);
+    } else {
+      const vec e = vexp(vsub(vload_tail(p + s, t), vmx));
+      vstore_tail(p + s, e, t);
+      vden = vadd(vden, vload_tail(p + s, t));
+    }
+  }
+  const float inv = 1.f / vsum(vden);
+  if (D <= 4 * kLanes) {
+    switch ((D + kLanes - 1) / kLanes) {
+      case 1: weighted_values<1>(p, slots, n_slots, vbase, ks, D, inv, oi); break;
+      case 2: weighted_values<2>(p, slots, n_slots, vbase, ks, D, inv, oi); break;
+      case 3: weighted_values<3>(p, slots, n_slots, vbase, ks, D, inv, oi); break;
+      default: weighted_values<4>(p, slots, n_slots, vbase, ks, D, inv, oi); break;
+    }
+    return;
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
+    const int64_t t = std::min<int64_t>(kLanes, D - d0);
+    vec acc = vzero();
+    for (int64_t s = 0; s < n_slots; ++s) {
+      const float* vr = vbase + slots[s] * ks + d0;
+      acc = vfma(vset1(p[s]), t == kLanes ? vload(vr) : vload_tail(vr, t), acc);
+    }
+    acc = vmul(acc, vset1(inv));
+    if (t == kLanes) vstore(oi + d0, acc); else vstore_tail(oi + d0, acc, t);
+  }
+}
+
+}  // namespace se_simd

@@ -1,0 +1,171 @@
+"""The native decode path (``_cpu.NativeGPT2``: a whole forward pass in one call) against stock
+torch and HF transformers, row-count independence bit for bit, weights changed in place, and
+bad arguments refused with ValueError (in a subprocess, so a crash fails one test)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from staged_engine.backend import TorchBackend, _cpu
+from staged_engine.checkpoint import load_model
+from staged_engine.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(_cpu is None or not hasattr(_cpu, "NativeGPT2"),
+                                reason="the _cpu extension is not built")
+
+NAMES = ["odd96", "eps64", "relu80"]
+
+
+def _decode(model, backend, batch: int, steps) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Run a fixed sequence of forward calls (chains, trees, pending entries, commits); return
+    every call's logits and the final cache."""
+    cache = model.new_cache(batch=batch, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    outs = []
+    vocab = model.config.vocab_size
+    for n, tree, commit in steps:
+        tokens = torch.randint(0, vocab, (batch, n), generator=g)
+        base = cache.lengths[0] + cache.pending
+        positions = torch.arange(base, base + n).expand(batch, n).contiguous()
+        mask = None
+        if tree:  # every node sees the pending entries and itself, not its siblings
+            m = cache.pending + n
+            mask = torch.zeros(n, m, dtype=torch.bool)
+            mask[:, :cache.pending] = True
+            mask[:, cache.pending:] = torch.eye(n, dtype=torch.bool)
+        with torch.inference_mode():
+            outs.append(model.forward(tokens, positions, cache, mask))
+        if commit:
+            cache.advance()
+    return outs, cache.k.clone(), cache.v.clone()
+
+
+STEPS = [(7, False, True), (1, False, True), (1, False, False), (4, True, False), (3, False, True), (1, False, True),
+         (5, False, True), (1, False, True)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_native_matches_stock_torch(checkpoints, name, batch, monkeypatch):
+    model = load_model(checkpoints[name])
+    calls = []
+    native = TorchBackend(native=True, fused=True)
+    real = native.forward_model
+    monkeypatch.setattr(native, "forward_model", lambda *a: calls.append(1) or real(*a))
+    a, ka, va = _decode(model, native, batch, STEPS)
+    assert len(calls) == len(STEPS)
+    b, kb, vb = _decode(model, TorchBackend(native=False), batch, STEPS)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape
+        assert ((x - y).abs().max() / y.abs().max()).item() < 1e-5
+    n = sum(s[0] for s in STEPS if s[2])
+    assert torch.allclose(ka[:, :, :, :n], kb[:, :, :, :n], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(va[:, :, :, :n], vb[:, :, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rows_do_not_change_a_rows_bits(checkpoints, name):
+    """A chain of N nodes in one pass gives the very logits and K/V of N one-token passes, and a
+    tree node gives the bits of the same token decoded alone after its ancestors: what exact
+    speculation relies on."""
+    model = load_model(checkpoints[name])
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (20,), generator=g).tolist()
+    new = torch.randint(0, model.config.vocab_size, (6,), generator=g).tolist()
+    one, many = (ModelRunner(model, TorchBackend(native=True, fused=True)) for _ in range(2))
+    with torch.inference_mode():
+        for r in (one, many):
+            r.prefill(prompt)
+        seq = torch.stack([one.step(t) for t in new])  # (6, V)
+        chain = many.forward_nodes(new, list(range(20, 26)), None)
+        assert torch.equal(seq, chain)
+        many.commit(list(range(6)))
+        assert torch.equal(one.cache.k[:, :, :, :26], many.cache.k[:, :, :, :26])
+        assert torch.equal(one.cache.v[:, :, :, :26], many.cache.v[:, :, :, :26])
+        # a tree: root r with children a, b; b's child c. Node c must equal decoding r, b, c.
+        r_, a_, b_, c_ = new[:4]
+        tree = many.forward_nodes([r_, a_, b_, c_], [26, 27, 27, 28],
+                                  torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool))
+        alone = ModelRunner(model, TorchBackend(native=True, fused=True))
+        alone.prefill(prompt + new)
+        path = torch.stack([alone.step(t) for t in (r_, b_, c_)])
+        assert torch.equal(tree[[0, 2, 3]], path)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_native_matches_transformers(checkpoints, name):
+    from transformers import GPT2LMHeadModel
+
+    model = load_model(checkpoints[name])
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    runner = ModelRunner(model, TorchBackend(native=True, fused=True))
+    with torch.inference_mode():
+        ours = runner.forward_nodes(ids[0].tolist(), list(range(40)), None)  # 40 rows: the native path
+        ref = GPT2LMHeadModel.from_pretrained(checkpoints[name]).eval()(ids).logits[0]
+    assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+
+
+def test_weights_changed_in_place_are_picked_up_at_the_next_generation(checkpoints):
+    model = load_model(checkpoints["odd96"])
+    backend = TorchBackend(native=True, fused=True)
+    runner = ModelRunner(model, backend)
+    with torch.inference_mode():
+        runner.reset()
+        before = runner.forward_nodes([1, 2, 3], [0, 1, 2], None)
+        model.ln_f.bias.add_(1.0)  # a uniform shift of every logit by the LM head's row sums
+        runner.reset()
+        after = runner.forward_nodes([1, 2, 3], [0, 1, 2], None)
+        ref = ModelRunner(model, TorchBackend(native=False))
+        expected = ref.forward_nodes([1, 2, 3], [0, 1, 2], None)
+    assert not torch.allclose(before, after)
+    assert ((after - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+def test_native_is_off_without_the_native_kernels():
+    assert TorchBackend(native=False, fused=True).fused is False
+
+
+BAD = '''
+import torch
+from staged_engine import _cpu
+C, H = 8, 2
+blocks = [torch.ones(C), torch.zeros(C), torch.zeros(3 * C, C), torch.zeros(3 * C), torch.zeros(C, C), torch.zeros(C),
+          torch.ones(C), torch.zeros(C), torch.zeros(4 * C, C), torch.zeros(4 * C), torch.zeros(C, 4 * C), torch.zeros(C)]
+wte, wpe = torch.randn(11, C), torch.randn(16, C)
+ok = _cpu.NativeGPT2(wte, wpe, blocks, torch.ones(C), torch.zeros(C), H, 1e-5, "gelu_tanh")
+k = torch.zeros(1, 1, H, 16, C // H)
+t = torch.tensor([[1, 2]]); p = torch.tensor([[0, 1]])
+cases = {
+    "12 tensors per block": lambda: _cpu.NativeGPT2(wte, wpe, blocks[:11], torch.ones(C), torch.zeros(C), H, 1e-5, "relu"),
+    "activation": lambda: _cpu.NativeGPT2(wte, wpe, blocks, torch.ones(C), torch.zeros(C), H, 1e-5, "swish"),
+    "must divide": lambda: _cpu.NativeGPT2(wte, wpe, blocks, torch.ones(C), torch.zeros(C), 3, 1e-5, "relu"),
+    "attn.c_attn": lambda: _cpu.NativeGPT2(wte, wpe, [blocks[0], blocks[1], torch.zeros(2 * C, C), torch.zeros(2 * C)] + blocks[4:],
+                                            torch.ones(C), torch.zeros(C), H, 1e-5, "relu"),
+    "float32": lambda: _cpu.NativeGPT2(wte.double(), wpe, blocks, torch.ones(C), torch.zeros(C), H, 1e-5, "relu"),
+    "outside the vocabulary": lambda: ok.forward(torch.tensor([[1, 11]]), p, k, k.clone(), [0], [0], 2),
+    "position": lambda: ok.forward(t, torch.tensor([[0, 16]]), k, k.clone(), [0], [0], 2),
+    "slots exceed": lambda: ok.forward(t, p, k, k.clone(), [15], [15], 2),
+    "last of the m entries": lambda: ok.forward(t, p, k, k.clone(), [1], [0], 2),
+    "the cache must be": lambda: ok.forward(t, p, k[:, :, :1], k[:, :, :1].clone(), [0], [0], 2),
+    "unit stride": lambda: ok.forward(t, p, k.transpose(3, 4), k.clone().transpose(3, 4), [0], [0], 2),
+    "mask must be": lambda: ok.forward(t, p, k, k.clone(), [0], [0], 2, torch.ones(2, 3, dtype=torch.bool)),
+    "one entry per row": lambda: ok.forward(t, p, k, k.clone(), [0, 0], [0], 2),
+}
+for name, call in cases.items():
+    try:
+        call()
+    except ValueError as exc:
+        assert name in str(exc), (name, str(exc))
+        print("ok", name)
+    else:
+        raise SystemExit(f"{name}: no error")
+'''
+
+
+def test_bad_arguments_raise_value_error_in_a_subprocess():
+    out = subprocess.run([sys.executable, "-c", BAD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("ok") == 13
