@@ -211,16 +211,38 @@ def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,
         idx, scores = sparse
         best = scores.max(dim=-1, keepdim=True).values
         return torch.where(scores == best, idx, logits.shape[-1]).min(dim=-1).values  # ties: smallest id
-    scores = processed_logprobs(logits, params) + noise.rows(positions)
-    return scores.argmax(dim=-1)
+    logp = torch.log_softmax(logits.float() / params.temperature, dim=-1)  # (N, V)
+    scores = logp + noise.rows(positions)
+    best = scores.argmax(dim=-1)  # the first maximum: ties go to the smallest id
+    if params.top_p >= 1.0:
+        return best
+    # Top-p: renormalising the kept tokens shifts all their scores by one constant, so the
+    # choice is the argmax of log p + g over the kept set. The unrestricted argmax is almost
+    # always kept (it is, with probability about top_p), so check that first and sort the
+    # vocabulary only when it is not.
+    for row in range(best.shape[0]):
+        c = int(best[row])
+        lp = logp[row]
+        before = lp > lp[c]
+        before[:c] |= lp[:c] == lp[c]  # equal probability, smaller id: ranked before c
+        if float(lp[before].exp().sum()) >= params.top_p:  # c is cut: choose among the kept
+            _, order = torch.sort(lp, descending=True, stable=True)
+            p = lp[order].exp()
+            cut = order[(torch.cumsum(p, 0) - p) >= params.top_p]
+            best[row] = scores[row].index_fill(0, cut, float("-inf")).argmax()
+    return best
 
 
 def perturbed_logprobs(logits: torch.Tensor, positions: list[int], params: SamplingParams,
                        noise: NoiseTable | None) -> torch.Tensor:
-    """Scores whose argmax is ``choose``: log p' + g at T > 0, raw logits at T = 0. (N, V)."""
+    """Drafting scores, (N, V): raw logits at T = 0; at T > 0 log p' + g, except that a top-p
+    cut is not applied (it costs a sort of the vocabulary per row, and a token it would remove
+    rarely wins the perturbed argmax). Drafts are guesses: only the oracle's ``choose`` decides."""
     if params.greedy:
         return logits.float()
-    return processed_logprobs(logits, params) + noise.rows(positions)
+    if 0 < params.top_k < logits.shape[-1]:
+        return processed_logprobs(logits, params) + noise.rows(positions)
+    return torch.log_softmax(logits.float() / params.temperature, dim=-1) + noise.rows(positions)
 
 
 def perturbed_top(logits: torch.Tensor, positions: list[int], params: SamplingParams,

@@ -136,3 +136,30 @@ def test_top_k_choice_needs_noise_only_at_kept_tokens(temperature, top_k, top_p)
         noise = NoiseTable(seed, vocab)
         dense = (processed_logprobs(logits, params_dense) + noise.rows(positions)).argmax(dim=-1)
         assert torch.equal(choose(logits, positions, params, noise), dense)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95])
+def test_top_p_choice_equals_a_brute_force_argmax_over_the_kept_set(top_p):
+    """choose() checks the unrestricted argmax of log p + g first and sorts only when top-p cuts
+    it; token for token it must equal the argmax over the kept set built by an independent float64
+    sort, including the draws where the unrestricted winner is cut."""
+    gen = torch.Generator().manual_seed(3)
+    params = SamplingParams(0.8, 0, top_p)
+    cut_winners = 0
+    for trial in range(300):
+        logits = torch.randn(1, 300, generator=gen) * 2.5
+        noise = NoiseTable(trial, 300)
+        ours = int(choose(logits, [7], params, noise)[0])
+        z = logits[0].double() / 0.8
+        logp = torch.log_softmax(z, dim=0)
+        order = sorted(range(300), key=lambda i: (-float(z[i]), i))
+        kept, mass = [], 0.0
+        for tok in order:
+            if mass < top_p:
+                kept.append(tok)
+                mass += math.exp(float(logp[tok]))
+        g = noise.at(7).double()
+        want = max(kept, key=lambda i: (float(logp[i] + g[i]), -i))
+        assert ours == want, trial
+        cut_winners += int(torch.argmax(logp + g)) not in kept
+    assert cut_winners > 0  # the sorting branch ran
