@@ -125,6 +125,13 @@ class ModelDrafter:
         if self.inner is not None:
             self.inner.start(prompt)
 
+    def catch_up(self) -> None:
+        """Process the accepted tokens this draft has not seen (plain rounds leave them), all but
+        the root, so the next tree starts from a current cache."""
+        if len(self.unseen) > 1:
+            self.runner.prefill(self.unseen[:-1])
+            self.unseen = self.unseen[-1:]
+
     @property
     def calls(self) -> int:
         return self.runner.calls

@@ -95,6 +95,8 @@ class SpeculativeDecoder(Decoder):
         if self.controller is None:
             return self._round(remaining, self.drafter.shape.budget, self.drafter.shape.max_depth)
         arm = self.controller.choose()
+        if arm > 0:  # after plain rounds the draft is behind: catch up off the clock, so the
+            self.drafter.catch_up()  # arm is judged by its steady cost, not by the backlog
         t0 = time.perf_counter()
         emitted = self._round(remaining, *self.controller.limits(arm))
         self.controller.update(arm, len(emitted), time.perf_counter() - t0)
@@ -111,6 +113,13 @@ class SpeculativeDecoder(Decoder):
         max_depth = min(max_depth, remaining - 1, n_ctx - 1 - root_position - 1)
         budget = min(budget, n_ctx - root_position)
         tree, draft_nodes, state = self.drafter.build(root_position, budget, max_depth)
+        if len(tree) == 1:  # nothing drafted (a plain step of the depth controller): the plain path
+            logits = oracle.step(self.root)
+            emitted = [oracle.cache.backend.choose_one(logits, root_position + 1, self.params, self.noise)]
+            self.drafter.accept(state, [0], emitted)
+            self.root = emitted[-1]
+            self.accepted_lengths.append(1)
+            return emitted
         positions = [root_position + d for d in tree.depths]
         mask = None if tree.is_chain() else tree.ancestor_mask(oracle.device)
         logits = oracle.forward_nodes(tree.tokens, positions, mask)  # (N, V)
