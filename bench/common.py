@@ -29,6 +29,7 @@ def machine() -> dict:
     except OSError:
         pass
     isa = "avx512" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
+    vector = sorted(f for f in flags.split()[2:] if f.startswith(("avx", "fma", "f16c", "amx")))
     mem_gb = None
     try:
         mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
@@ -36,7 +37,7 @@ def machine() -> dict:
         pass
     import torch
 
-    info = {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "memory_gib": mem_gb,
+    info = {"cpu": cpu, "isa": isa, "vector_extensions": vector, "cores": os.cpu_count(), "memory_gib": mem_gb,
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
             "torch": torch.__version__, "platform": platform.platform()}

@@ -44,7 +44,9 @@ def _load(name: str) -> dict | None:
 
 
 def _machine(m: dict) -> str:
-    return f"{m['cpu']}, {m['cores']} cores ({m.get('isa', '')}), torch {m['torch']}, {m['torch_threads']} threads"
+    vec = [v for v in m.get("vector_extensions", []) if v in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16")]
+    isa = ", ".join(vec) if vec else m.get("isa", "")
+    return f"{m['cpu']}, {m['cores']} cores ({isa}), torch {m['torch']}, {m['torch_threads']} threads"
 
 
 def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engine bench e2e`)",
@@ -174,6 +176,11 @@ def render() -> str:
         parts += section_e2e(r)
         parts += _plot("e2e_speedup.png", "speedup over HF generate per system")
         parts += _plot("e2e_accepted_lengths.png", "tokens emitted per oracle call")
+    r = _load("roofline.json")
+    if r:
+        parts += section_generic("Decode roofline: bandwidth and compute bounds, HF `generate` and llama.cpp "
+                                 "(`staged-engine bench roofline`)", r, "roofline.json")
+        parts += _plot("roofline.png", "share of the weight-streaming bound; N-node passes against the roofline")
     r = _load("e2e_identity_all_prompts.json")
     if r:
         parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, greedy",

@@ -16,7 +16,7 @@ BENCHES = {
     "dsbd": "dsbd.py",  # DSBD against beam sampling
     "serve-load": "serve_load.py",  # concurrent clients against staged-engine serve
     "pair-quality": "pair_quality.py",  # the demo pair's bits per byte and agreement on held-out code
-  # concurrent clients against staged-engine serve
+    "roofline": "roofline.py",  # decode against bandwidth/compute bounds, HF generate and llama.cpp
     "plots": "plots.py",  # PNG plots of bench/results/*.json (needs matplotlib)
     "report": "report.py",  # README results section from bench/results/
 }

@@ -93,3 +93,19 @@ def test_plots_without_matplotlib_say_how_to_get_it(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     assert plots.main([]) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_llama_cpp_steps_that_cannot_run_say_which_and_why(tmp_path, monkeypatch):
+    """The roofline bench goes on without llama.cpp when it cannot be built or run here; the
+    reason names the step (no cmake; a failing command, with its exit code and log)."""
+    llamacpp = _bench_module("llamacpp")
+    monkeypatch.setenv("STAGED_ENGINE_CACHE", str(tmp_path))
+    src = tmp_path / "llama.cpp" / f"llama_cpp_python-{llamacpp.VERSION}" / "vendor" / "llama.cpp"
+    src.mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("")
+    monkeypatch.setattr(llamacpp.shutil, "which", lambda name: None)
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match="needs cmake"):
+        llamacpp.llama_bench_binary()
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match=r"running the test step failed \(exit 3\)"):
+        llamacpp._run([sys.executable, "-c", "import sys; sys.exit(3)"], "running the test step",
+                      str(tmp_path / "log.txt"))

@@ -1,0 +1,287 @@
+"""Roofline of the decode path, per model, everything measured in one run on this machine.
+
+For each model (the demo oracle, the demo draft, a GPT-2-small-shaped checkpoint with random
+fp16 weights, or ``--models DIR ...``):
+
+- plain decoding, ms per token (forward passes only, median of 128 steps after a 64-token
+  prompt) against the **weight-streaming bound**: the bytes of weights a token reads (NativeGPT2's
+  packed linears and LM head) over the read bandwidth measured here on a buffer of the same size
+  (which is cache-resident when the weights fit the last-level cache), and over DRAM bandwidth
+  (a 512 MiB buffer);
+- an N-node pass (N = 1..64, a random tree below a 128-token prefix) against the larger of that
+  bandwidth bound and the **compute bound** (2 x weights x N FLOP at the fp32 GEMM rate torch's
+  BLAS reaches here on a 1024^3 product);
+- plain decoding tokens/s through the Engine against HF transformers ``generate`` (greedy, fp32)
+  and against **llama.cpp** (``llama-bench -p 0 -n 128``) on the same checkpoint converted to
+  GGUF at the same precision (f16 when the weights are fp16-exact), same thread count. llama.cpp is
+  built once from the llama-cpp-python source package (bench/llamacpp.py); if it cannot be built
+  or run here, the result says why and the rest is still measured.
+
+Writes bench/results/roofline.json and bench/results/plots/roofline.png.
+
+    python bench/roofline.py [--models DIR ...] [--threads 2] [--no-llama-cpp] [--no-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, progress, publish  # noqa: E402
+from forward_cost import random_tree_mask  # noqa: E402
+
+NODES = [1, 2, 4, 8, 16, 32, 64]
+GPT2_SMALL = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)
+
+
+def read_bandwidth(nbytes: int, repeats: int = 7) -> float:
+    """Bytes/s of summing a float32 buffer of ``nbytes`` (warm: a second pass onwards)."""
+    x = torch.ones(max(nbytes // 4, 1 << 16))
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times)
+
+
+def gemm_rate() -> float:
+    """FLOP/s of a 1024^3 fp32 product with torch's BLAS at the current thread count."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * 1024 ** 3 / statistics.median(times)
+
+
+def gpt2_small_checkpoint(tokenizer_from: str) -> str:
+    """A GPT-2-small-shaped checkpoint with random weights stored in fp16, made once and cached
+    (llama.cpp's converter needs a tokenizer: the demo's, its vocabulary padded)."""
+    root = os.environ.get("STAGED_ENGINE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "staged-engine")
+    path = os.path.join(root, "gpt2-small-shaped-random-fp16")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        progress("making a GPT-2-small-shaped checkpoint (random weights, fp16) ...")
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(bos_token_id=0, eos_token_id=0, **GPT2_SMALL)).eval().half()
+        model.save_pretrained(path + ".tmp")
+        shutil.copy(os.path.join(tokenizer_from, "tokenizer.json"), os.path.join(path + ".tmp", "tokenizer.json"))
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def decode_ms(model, backend, steps: int = 128, prompt: int = 64) -> float:
+    """Median wall time of one plain decoding step (a forward pass and the commit)."""
+    from staged_engine.runner import ModelRunner
+
+    runner = ModelRunner(model, backend)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (prompt + steps,), generator=g).tolist()
+    times = []
+    with torch.inference_mode():
+        runner.reset()
+        runner.prefill(ids[:prompt])
+        for t in ids[prompt:]:
+            t0 = time.perf_counter()
+            runner.step(t)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[8:])
+
+
+def node_curve(model, backend, prefix: int = 128, repeats: int = 15) -> dict[int, float]:
+    cache = model.new_cache(backend=backend)
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    out = {}
+    with torch.inference_mode():
+        model(torch.randint(0, vocab, (1, prefix), generator=g), torch.arange(prefix)[None], cache)
+        cache.advance()
+        for n in NODES:
+            mask = random_tree_mask(n, g)
+            toks = torch.randint(0, vocab, (1, n), generator=g)
+            pos = (prefix + mask.sum(1) - 1)[None]
+            times = []
+            for r in range(repeats + 2):
+                t0 = time.perf_counter()
+                model(toks, pos, cache, mask)
+                times.append(time.perf_counter() - t0)
+                cache.discard()
+            out[n] = statistics.median(times[2:])
+    return out
+
+
+def engine_tokens_per_s(path: str, tokens: int = 128) -> float:
+    from staged_engine import Engine
+
+    eng = Engine.from_pretrained(oracle=path)
+    ids = torch.randint(0, eng.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
+    eng.generate(ids, max_new_tokens=8, strategy="plain", stop_at_eos=False)
+    runs = [eng.generate(ids, max_new_tokens=tokens, strategy="plain", stop_at_eos=False).stats["tokens_per_second"]
+            for _ in range(3)]
+    return statistics.median(runs)
+
+
+def hf_tokens_per_s(path: str, tokens: int = 128) -> float:
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, **dict(kw, max_new_tokens=8, min_new_tokens=8))
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            model.generate(ids, **kw)
+            runs.append(tokens / (time.perf_counter() - t0))
+    return statistics.median(runs)
+
+
+def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
+    from staged_engine.backend import TorchBackend
+    from staged_engine.checkpoint import load_model
+
+    model = load_model(path)
+    backend = TorchBackend()
+    native = backend._native_model(model)
+    nbytes = native.weight_bytes
+    progress(f"{name}: {model.config.num_params / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB of weights a token")
+    bw = read_bandwidth(nbytes)
+    ms = decode_ms(model, backend)
+    bound_bw, bound_dram = nbytes / bw, nbytes / dram_bw
+    flop_per_node = 2 * nbytes / (2 if native.half else 4)
+    curve = node_curve(model, backend)
+    nodes = {}
+    for n, t in curve.items():
+        compute = flop_per_node * n / rate
+        nodes[str(n)] = {"seconds": t, "compute_bound_s": compute, "bandwidth_bound_s": bound_bw,
+                         "ratio_to_bound": t / max(compute, bound_bw)}
+    row = {"path": path, "params": model.config.num_params, "weight_bytes": nbytes,
+           "weights": "float16" if native.half else "float32",
+           "read_bandwidth_at_weight_size_GBps": bw / 1e9, "ms_per_token": ms * 1e3,
+           "bound_ms": bound_bw * 1e3, "share_of_bound": bound_bw / ms,
+           "dram_bound_ms": bound_dram * 1e3, "share_of_dram_bound": bound_dram / ms, "nodes": nodes}
+    if not args.no_hf:
+        progress(f"{name}: engine and HF generate, plain greedy ...")
+        row["engine_tokens_per_s"] = engine_tokens_per_s(path)
+        row["hf_tokens_per_s"] = hf_tokens_per_s(path)
+    if not args.no_llama_cpp:
+        progress(f"{name}: llama.cpp ...")
+        import llamacpp
+
+        try:
+            row["llama_cpp"] = llamacpp.llama_bench(path, "f16" if native.half else "f32", torch.get_num_threads())
+        except llamacpp.LlamaCppUnavailable as exc:
+            row["llama_cpp"] = {"unavailable": str(exc)}
+            progress(f"  llama.cpp unavailable: {exc}")
+    return row
+
+
+def table(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"Plain decoding against the weight-streaming bound, N-node passes against the larger of the "
+             f"bandwidth and compute bounds ({m['cpu']}, {', '.join(v for v in m.get('vector_extensions', []) if v in ('avx2', 'avx512f', 'avx512_bf16'))}; "
+             f"{result['threads']} threads; DRAM read {result['dram_read_GBps']:.1f} GB/s, fp32 GEMM "
+             f"{result['gemm_GFLOPs']:.0f} GFLOP/s):", "",
+             "| model | weights a token | read bandwidth there | ms/token | bound | share of bound | share of DRAM bound "
+             "| engine tok/s | HF generate tok/s | llama.cpp tok/s | engine vs llama.cpp |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in result["models"].items():
+        lc = r.get("llama_cpp", {})
+        lc_ts = lc.get("tokens_per_s")
+        eng = r.get("engine_tokens_per_s")
+        lines.append(
+            f"| {name} ({r['params'] / 1e6:.1f}M) | {r['weight_bytes'] / 1e6:.1f} MB {r['weights']} | "
+            f"{r['read_bandwidth_at_weight_size_GBps']:.0f} GB/s | {r['ms_per_token']:.3f} | {r['bound_ms']:.3f} | "
+            f"{r['share_of_bound']:.0%} | {r['share_of_dram_bound']:.0%} | "
+            f"{eng:.0f} | {r.get('hf_tokens_per_s', float('nan')):.0f} | "
+            + (f"{lc_ts:.0f} | {eng / lc_ts:.2f}x |" if lc_ts and eng else f"n/a ({lc.get('unavailable', 'not run')[:80]}) | |"))
+    lines += ["", "N-node pass time over max(bandwidth bound, compute bound):", "",
+              "| model | " + " | ".join(f"N={n}" for n in NODES) + " |", "|---|" + "---|" * len(NODES)]
+    for name, r in result["models"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{r['nodes'][str(n)]['ratio_to_bound']:.2f}" for n in NODES) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["models"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ours = [result["models"][n]["share_of_bound"] for n in names]
+    a.bar([i - 0.18 for i in range(len(names))], ours, width=0.35, color="#1f77b4", label="staged-engine")
+    lc = [result["models"][n].get("llama_cpp", {}).get("ms_per_token") for n in names]
+    lc_share = [result["models"][n]["bound_ms"] / x if x else 0 for n, x in zip(names, lc)]
+    a.bar([i + 0.18 for i in range(len(names))], lc_share, width=0.35, color="#ff7f0e", label="llama.cpp")
+    a.axhline(1.0, color="gray", lw=0.8, ls="--")
+    a.set_xticks(range(len(names)), names)
+    a.set_ylabel("weight-streaming bound / ms per token")
+    a.set_title("plain decoding: share of the bandwidth bound")
+    a.legend()
+    for n in names:
+        nodes = result["models"][n]["nodes"]
+        b.plot(NODES, [nodes[str(k)]["ratio_to_bound"] for k in NODES], marker="o", label=n)
+    b.axhline(1.3, color="gray", lw=0.8, ls="--")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("tree nodes per pass")
+    b.set_ylabel("pass time / max(bandwidth, compute bound)")
+    b.set_title("N-node passes against the roofline")
+    b.legend()
+    fig.suptitle(f"{result['machine']['cpu']}, {result['threads']} threads")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="*", help="checkpoint directories (default: demo oracle, demo draft, "
+                                                "a GPT-2-small-shaped random fp16 checkpoint)")
+    ap.add_argument("--threads", type=int, default=2, help="threads for every system (default 2)")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (its first build takes minutes)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the engine and HF generate comparison")
+    ap.add_argument("--out", default="roofline.json")
+    args = ap.parse_args(argv)
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    from staged_engine.engine import DEMO_DIR
+
+    if args.models:
+        models = {os.path.basename(os.path.normpath(p)): p for p in args.models}
+    else:
+        models = {"demo oracle": os.path.join(DEMO_DIR, "oracle"), "demo draft": os.path.join(DEMO_DIR, "draft"),
+                  "GPT-2-small shape": gpt2_small_checkpoint(os.path.join(DEMO_DIR, "oracle"))}
+    for p in models.values():
+        if not os.path.isfile(os.path.join(p, "config.json")):
+            raise FileNotFoundError(f"{p}: no config.json (a HF GPT-2 checkpoint directory is expected)")
+    progress("measuring DRAM read bandwidth and the GEMM rate ...")
+    dram = read_bandwidth(512 << 20)
+    rate = gemm_rate()
+    result = {"benchmark": "decode roofline", "machine": machine(), "threads": args.threads,
+              "dram_read_GBps": dram / 1e9, "gemm_GFLOPs": rate / 1e9, "models": {}}
+    for name, path in models.items():
+        result["models"][name] = measure(name, path, args, dram, rate)
+    publish(result, table(result), args.out)
+    png = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", "roofline.png")
+    plot(result, png)
+    print(f"saved {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
