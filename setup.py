@@ -2,8 +2,10 @@
 
 The C++ sources in csrc/ compile with torch's cpp_extension and ninja into two modules:
 ``staged_engine._ngram`` (csrc/ngram*.cpp, the n-gram draft stage) and ``staged_engine._cpu``
-(csrc/cpu_*.cpp, few-row CPU kernels; built with -march=native because the extension is always
-compiled on the machine that runs it). Install with ``pip install --no-build-isolation -e .`` so the extension builds against the
+(csrc/cpu_*.cpp, the native decode path and few-row CPU kernels; built with -march=native because
+the extension is always compiled on the machine that runs it, and skipped on a CPU without AVX2,
+FMA and F16C, or with STAGED_ENGINE_NO_CPU_EXT=1: the runtime then falls back to stock torch with
+one warning). Install with ``pip install --no-build-isolation -e .`` so the extension builds against the
 torch that is already installed (a build-isolated install would fetch another torch).
 """
 import glob
@@ -26,13 +28,25 @@ def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", pattern)))
 
 
+def _cpu_has_avx2() -> bool:
+    """The few-row kernels need AVX2 + FMA + F16C (or AVX-512); they are compiled with
+    -march=native for the machine that builds them. Elsewhere the runtime uses stock torch and
+    says so once."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
 ext_modules = []
 if _sources("ngram*.cpp"):
     ext_modules.append(CppExtension(
         name="staged_engine._ngram", sources=_sources("ngram*.cpp"),
         extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"]))
-if _sources("cpu_*.cpp"):
-    ext_modules.append(CppExtension(
+if _sources("cpu_*.cpp") and os.environ.get("STAGED_ENGINE_NO_CPU_EXT", "0") == "0" and _cpu_has_avx2():
+    ext_modules.append(CppExtension(  # csrc/cpu_kernels.cpp, cpu_forward.cpp (cpu_simd.h)
         name="staged_engine._cpu", sources=_sources("cpu_*.cpp"),
         extra_compile_args=["-O3", "-std=c++17", "-march=native", "-fopenmp", "-fvisibility=hidden"],
         extra_link_args=["-fopenmp"]))

@@ -121,6 +121,7 @@ class TorchBackend(Backend):
         self.fused = bool(fused) and self.native
         # id(model) -> (model, layer tensors, version sum, NativeGPT2, every weight tensor)
         self._natives: dict[int, tuple] = {}
+        self._warned_dtype = False
         # weight -> its float16 twin, for weights whose values fp16 holds exactly (see _stream_weight)
         self._half: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
 
@@ -182,7 +183,14 @@ class TorchBackend(Backend):
 
     def forward_model(self, model, tokens, positions, k, v, writes, starts, m, tree_mask, last_only):
         b, n = tokens.shape
-        if not (self.fused and self._use_native(k, b * n)) or model.wte.weight.dtype != torch.float32:
+        if not (self.fused and b * n <= NATIVE_MAX_ROWS and k.device.type == "cpu"):
+            return None
+        if model.wte.weight.dtype != torch.float32 or k.dtype != torch.float32:
+            if not self._warned_dtype:
+                self._warned_dtype = True
+                warnings.warn(f"the native decode path runs float32 models; this one is {model.wte.weight.dtype}, "
+                              "so it runs on stock torch kernels (load it with dtype=torch.float32 for the fast path)",
+                              stacklevel=2)
             return None
         mask = tree_mask.contiguous() if tree_mask is not None else None
         return self._native_model(model).forward(tokens, positions, k, v, writes, starts, m, mask, last_only)

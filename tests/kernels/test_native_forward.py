@@ -169,3 +169,17 @@ def test_bad_arguments_raise_value_error_in_a_subprocess():
     out = subprocess.run([sys.executable, "-c", BAD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("ok") == 13
+
+
+def test_a_dtype_the_native_path_does_not_run_falls_back_with_one_warning(checkpoints):
+    model = load_model(checkpoints["odd96"]).double()
+    backend = TorchBackend(native=True, fused=True)
+    runner, ref = ModelRunner(model, backend), ModelRunner(model, TorchBackend(native=False))
+    with torch.inference_mode(), pytest.warns(UserWarning, match="float32 models") as record:
+        a = runner.forward_nodes([1, 2, 3], [0, 1, 2], None)
+        b = runner.forward_nodes([4], [3], None)
+    assert len([w for w in record if "float32 models" in str(w.message)]) == 1
+    with torch.inference_mode():
+        ra = ref.forward_nodes([1, 2, 3], [0, 1, 2], None)
+        rb = ref.forward_nodes([4], [3], None)
+    assert torch.equal(a, ra) and torch.equal(b, rb)
