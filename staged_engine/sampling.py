@@ -167,7 +167,9 @@ class NoiseTable:
     """Caches g(seed, t) per position for one generation; positions repeat across rounds."""
 
     def __init__(self, seed: int, vocab_size: int, device: torch.device | str = "cpu",
-                 capacity: int = 256) -> None:
+                 capacity: int = 80) -> None:
+        # A round chooses at most max_depth + 2 consecutive positions (trees have <= 64 nodes),
+        # so 80 vectors cover every live position; each is vocab_size floats (201 KB for GPT-2).
         self.seed = seed
         self.salt = vocab_salt(vocab_size, device)
         self.capacity = capacity

@@ -252,6 +252,21 @@ def create_app(engine: Engine, model_name: str = "staged-engine-demo", max_queue
     return app
 
 
+def _bound_malloc_arenas(arenas: int = 2) -> None:
+    """glibc gives every thread that allocates its own malloc arena (up to 8 per core); the
+    server's generation threads each grew one, and the process kept ~100 MB more after warming
+    up. Two arenas are plenty for a process whose heavy buffers are torch tensors. A no-op where
+    glibc's mallopt is not available."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-8, arenas)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(engine: Engine, host: str, port: int, model_name: str, max_queue: int, timeout: float,
           drain_seconds: float = 30.0) -> int:
     import signal
@@ -267,6 +282,7 @@ def serve(engine: Engine, host: str, port: int, model_name: str, max_queue: int,
             if sig == signal.SIGTERM and sig in self._captured_signals:
                 self._captured_signals.remove(sig)
 
+    _bound_malloc_arenas()
     app = create_app(engine, model_name, max_queue, timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=drain_seconds)
     Server(config).run()  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
