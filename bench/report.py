@@ -176,6 +176,12 @@ def render() -> str:
         parts += section_e2e(r)
         parts += _plot("e2e_speedup.png", "speedup over HF generate per system")
         parts += _plot("e2e_accepted_lengths.png", "tokens emitted per oracle call")
+    r = _load("e2e_topp_wide_tree.json")
+    if r:
+        parts += section_e2e(r, "How far the draft sees: a wider staged tree at T 0.8 / top-p 0.95 "
+                             "(`staged-engine bench e2e --modes topp --systems plain staged_fixed --options "
+                             "'{\"staged_fixed\": {\"budget\": 16, \"max_depth\": 6, \"children\": 4, \"expand\": 4}}'`)",
+                             "e2e_topp_wide_tree.json")
     r = _load("roofline.json")
     if r:
         parts += section_generic("Decode roofline: bandwidth and compute bounds, HF `generate` and llama.cpp "
