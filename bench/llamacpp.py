@@ -29,7 +29,9 @@ class LlamaCppUnavailable(RuntimeError):
 
 
 def cache_dir() -> str:
-    root = os.environ.get("STAGED_ENGINE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "staged-engine")
+    from staged_engine.demo import cache_dir as engine_cache  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
+
+    root = engine_cache()
     path = os.path.join(root, "llama.cpp")
     os.makedirs(path, exist_ok=True)
     return path

@@ -67,7 +67,9 @@ def gemm_rate() -> float:
 def gpt2_small_checkpoint(tokenizer_from: str) -> str:
     """A GPT-2-small-shaped checkpoint with random weights stored in fp16, made once and cached
     (llama.cpp's converter needs a tokenizer: the demo's, its vocabulary padded)."""
-    root = os.environ.get("STAGED_ENGINE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "staged-engine")
+    from staged_engine.demo import cache_dir as engine_cache  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
+
+    root = engine_cache()
     path = os.path.join(root, "gpt2-small-shaped-random-fp16")
     if not os.path.isfile(os.path.join(path, "model.safetensors")):
         from transformers import GPT2Config, GPT2LMHeadModel

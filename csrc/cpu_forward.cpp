@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_errors.h"
 #include "cpu_simd.h"
 
 namespace py = pybind11;
@@ -41,16 +42,7 @@ using namespace se_simd;
 
 namespace {
 
-template <typename... Args>
-[[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  throw py::value_error(os.str());
-}
-#define NF_CHECK(cond, ...) \
-  do {                      \
-    if (!(cond)) fail(__VA_ARGS__); \
-  } while (0)
+using se_errors::fail;
 
 // Rows per register block and panels per register block. Accumulators: kRows * kPanels vectors.
 #if defined(__AVX512F__)
@@ -75,13 +67,13 @@ struct PackedLinear {
 };
 
 PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::Tensor>& b_in, const char* name) {
-  NF_CHECK(w_in.dim() == 2, name, " must be 2-D (out, in), got ", w_in.dim(), " dimensions");
-  NF_CHECK(w_in.scalar_type() == torch::kFloat32, name, " must be float32, got ", w_in.scalar_type());
+  SE_CHECK(w_in.dim() == 2, name, " must be 2-D (out, in), got ", w_in.dim(), " dimensions");
+  SE_CHECK(w_in.scalar_type() == torch::kFloat32, name, " must be float32, got ", w_in.scalar_type());
   const torch::Tensor w = w_in.contiguous();
   PackedLinear p;
   p.M = w.size(0);
   p.K = w.size(1);
-  NF_CHECK(p.M >= 1 && p.K >= 1, name, " is empty");
+  SE_CHECK(p.M >= 1 && p.K >= 1, name, " is empty");
   p.panels = (p.M + kLanes - 1) / kLanes;
   const float* src = w.data_ptr<float>();
   bool exact = true;
@@ -105,7 +97,7 @@ PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::T
   }
   if (b_in.has_value() && b_in->defined()) {
     const torch::Tensor b = b_in->contiguous();
-    NF_CHECK(b.dim() == 1 && b.size(0) == p.M && b.scalar_type() == torch::kFloat32,
+    SE_CHECK(b.dim() == 1 && b.size(0) == p.M && b.scalar_type() == torch::kFloat32,
              name, " bias must be float32 (", p.M, "), got ", b.sizes());
     p.bias.assign(p.panels * kLanes, 0.f);
     std::copy(b.data_ptr<float>(), b.data_ptr<float>() + p.M, p.bias.begin());
@@ -392,7 +384,7 @@ struct Block {
 };
 
 std::vector<float> to_vec(const torch::Tensor& t, int64_t n, const char* name) {
-  NF_CHECK(t.dim() == 1 && t.size(0) == n && t.scalar_type() == torch::kFloat32, name,
+  SE_CHECK(t.dim() == 1 && t.size(0) == n && t.scalar_type() == torch::kFloat32, name,
            " must be float32 (", n, "), got ", t.scalar_type(), " ", t.sizes());
   const torch::Tensor c = t.contiguous();
   return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + n);
@@ -407,14 +399,14 @@ class NativeGPT2 {
              const torch::Tensor& lnf_w, const torch::Tensor& lnf_b, int64_t n_head, double eps,
              const std::string& activation)
       : n_head_(n_head), eps_(static_cast<float>(eps)) {
-    NF_CHECK(wte.dim() == 2 && wte.scalar_type() == torch::kFloat32, "wte must be float32 (vocab, n_embd)");
-    NF_CHECK(wpe.dim() == 2 && wpe.scalar_type() == torch::kFloat32 && wpe.size(1) == wte.size(1),
+    SE_CHECK(wte.dim() == 2 && wte.scalar_type() == torch::kFloat32, "wte must be float32 (vocab, n_embd)");
+    SE_CHECK(wpe.dim() == 2 && wpe.scalar_type() == torch::kFloat32 && wpe.size(1) == wte.size(1),
              "wpe must be float32 (n_positions, n_embd)");
     V_ = wte.size(0);
     C_ = wte.size(1);
     P_ = wpe.size(0);
-    NF_CHECK(blocks.size() % 12 == 0 && !blocks.empty(), "blocks needs 12 tensors per block, got ", blocks.size());
-    NF_CHECK(n_head >= 1 && C_ % n_head == 0, "n_head (", n_head, ") must divide n_embd (", C_, ")");
+    SE_CHECK(blocks.size() % 12 == 0 && !blocks.empty(), "blocks needs 12 tensors per block, got ", blocks.size());
+    SE_CHECK(n_head >= 1 && C_ % n_head == 0, "n_head (", n_head, ") must divide n_embd (", C_, ")");
     if (activation == "gelu_tanh") act_ = Epilogue::kGeluTanh;
     else if (activation == "gelu") act_ = Epilogue::kGelu;
     else if (activation == "relu") act_ = Epilogue::kRelu;
@@ -433,9 +425,9 @@ class NativeGPT2 {
       b.ln2b = to_vec(w[7], C_, "ln_2.bias");
       b.fc = pack_linear(w[8], w[9], "mlp.c_fc");
       b.mproj = pack_linear(w[10], w[11], "mlp.c_proj");
-      NF_CHECK(b.qkv.M == 3 * C_ && b.qkv.K == C_, "attn.c_attn must be (", 3 * C_, ", ", C_, ")");
-      NF_CHECK(b.proj.M == C_ && b.proj.K == C_, "attn.c_proj must be (", C_, ", ", C_, ")");
-      NF_CHECK(b.fc.K == C_ && b.mproj.M == C_ && b.mproj.K == b.fc.M, "mlp shapes do not chain");
+      SE_CHECK(b.qkv.M == 3 * C_ && b.qkv.K == C_, "attn.c_attn must be (", 3 * C_, ", ", C_, ")");
+      SE_CHECK(b.proj.M == C_ && b.proj.K == C_, "attn.c_proj must be (", C_, ", ", C_, ")");
+      SE_CHECK(b.fc.K == C_ && b.mproj.M == C_ && b.mproj.K == b.fc.M, "mlp shapes do not chain");
       inner_ = b.fc.M;
       blocks_.push_back(std::move(b));
     }
@@ -455,39 +447,39 @@ class NativeGPT2 {
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions, torch::Tensor k_all,
                         torch::Tensor v_all, const std::vector<int64_t>& writes, const std::vector<int64_t>& starts,
                         int64_t M, const c10::optional<torch::Tensor>& mask_in, bool last_only) {
-    NF_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kInt64 && positions.sizes() == tokens.sizes() &&
+    SE_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kInt64 && positions.sizes() == tokens.sizes() &&
                  positions.scalar_type() == torch::kInt64,
              "tokens and positions must be int64 (B, N) and alike");
     const int64_t B = tokens.size(0), N = tokens.size(1), R = B * N, L = static_cast<int64_t>(blocks_.size());
-    NF_CHECK(B >= 1 && N >= 1, "tokens must not be empty");
-    NF_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
+    SE_CHECK(B >= 1 && N >= 1, "tokens must not be empty");
+    SE_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
                  k_all.strides() == v_all.strides() && k_all.stride(4) == 1 &&
                  k_all.scalar_type() == torch::kFloat32 && v_all.scalar_type() == torch::kFloat32,
              "k_cache and v_cache must be float32 (L, B, H, S, D) with unit stride over D, and alike");
-    NF_CHECK(k_all.size(0) == L && k_all.size(1) == B && k_all.size(2) == n_head_ && k_all.size(4) == D_,
+    SE_CHECK(k_all.size(0) == L && k_all.size(1) == B && k_all.size(2) == n_head_ && k_all.size(4) == D_,
              "the cache must be (", L, ", ", B, ", ", n_head_, ", S, ", D_, "), got ", k_all.sizes());
     const int64_t S = k_all.size(3);
-    NF_CHECK(static_cast<int64_t>(writes.size()) == B && static_cast<int64_t>(starts.size()) == B,
+    SE_CHECK(static_cast<int64_t>(writes.size()) == B && static_cast<int64_t>(starts.size()) == B,
              "writes and starts need one entry per row");
-    NF_CHECK(M >= N, "m (uncommitted entries) must be >= the new tokens");
+    SE_CHECK(M >= N, "m (uncommitted entries) must be >= the new tokens");
     for (int64_t b = 0; b < B; ++b) {
-      NF_CHECK(starts[b] >= 0 && starts[b] + M <= S, "row ", b, ": slots exceed the cache");
-      NF_CHECK(writes[b] == starts[b] + M - N, "row ", b, ": the new tokens must be the last of the m entries");
+      SE_CHECK(starts[b] >= 0 && starts[b] + M <= S, "row ", b, ": slots exceed the cache");
+      SE_CHECK(writes[b] == starts[b] + M - N, "row ", b, ": the new tokens must be the last of the m entries");
     }
     torch::Tensor tok = tokens.contiguous(), pos = positions.contiguous();
     const int64_t* tp = tok.data_ptr<int64_t>();
     const int64_t* pp = pos.data_ptr<int64_t>();
     for (int64_t r = 0; r < R; ++r) {
-      NF_CHECK(tp[r] >= 0 && tp[r] < V_, "token id ", tp[r], " is outside the vocabulary [0, ", V_, ")");
-      NF_CHECK(pp[r] >= 0 && pp[r] < P_, "position ", pp[r], " is outside [0, ", P_, ")");
+      SE_CHECK(tp[r] >= 0 && tp[r] < V_, "token id ", tp[r], " is outside the vocabulary [0, ", V_, ")");
+      SE_CHECK(pp[r] >= 0 && pp[r] < P_, "position ", pp[r], " is outside [0, ", P_, ")");
     }
     const bool* mp = nullptr;
     bool mask_per_row = false;
     torch::Tensor mask;
     if (mask_in.has_value() && mask_in->defined()) {
       mask = mask_in->contiguous();
-      NF_CHECK(mask.scalar_type() == torch::kBool, "mask must be bool");
-      NF_CHECK((mask.dim() == 2 && mask.size(0) == N && mask.size(1) == M) ||
+      SE_CHECK(mask.scalar_type() == torch::kBool, "mask must be bool");
+      SE_CHECK((mask.dim() == 2 && mask.size(0) == N && mask.size(1) == M) ||
                    (mask.dim() == 3 && mask.size(0) == B && mask.size(1) == N && mask.size(2) == M),
                "mask must be (N, m) or (B, N, m) = (", N, ", ", M, ")");
       mask_per_row = mask.dim() == 3;

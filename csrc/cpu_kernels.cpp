@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_errors.h"
 #include "cpu_simd.h"
 
 #include <cmath>
@@ -26,10 +27,6 @@
 #include <sstream>
 #include <string>
 
-#define SE_CHECK(cond, ...) \
-  do {                      \
-    if (!(cond)) fail(__VA_ARGS__); \
-  } while (0)
 
 namespace {
 
@@ -158,16 +155,7 @@ void linear_impl(const float* xp, const typename W::T* wp, const float* bp, floa
   });
 }
 
-// Argument checks raise Python's ValueError through pybind11, with the message formatted here.
-// They do not go through TORCH_CHECK: on one toolchain (gcc 13.3, torch 2.11+cu130) a failed
-// TORCH_CHECK whose message formats integers killed the interpreter instead of raising, and
-// keeping the error path inside this library leaves it nothing to disagree with torch about.
-template <typename... Args>
-[[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  throw pybind11::value_error(os.str());
-}
+using se_errors::fail;
 
 void check_f32_contig(const torch::Tensor& t, const char* name, int64_t dim) {
   SE_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");

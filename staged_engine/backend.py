@@ -167,17 +167,16 @@ class TorchBackend(Backend):
 
     def _pack(self, model) -> tuple:
         tensors = self._model_tensors(model)
+        wte, wpe, lnf_w, lnf_b, *blocks = tensors
         cfg = model.config
-        native = _cpu.NativeGPT2(model.wte.weight, model.wpe.weight,
-                                 [t for layer in model._layer_tensors() for t in layer],
-                                 model.ln_f.weight, model.ln_f.bias, cfg.n_head, cfg.layer_norm_epsilon,
-                                 model.act_kind)
+        native = _cpu.NativeGPT2(wte, wpe, blocks, lnf_w, lnf_b, cfg.n_head, cfg.layer_norm_epsilon, model.act_kind)
         entry = (model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors)
         self._natives[id(model)] = entry
         return entry
 
     @staticmethod
     def _model_tensors(model) -> list[torch.Tensor]:
+        """wte, wpe, ln_f weight and bias, then the 12 tensors of every block."""
         flat = [t for layer in model._layer_tensors() for t in layer]
         return [model.wte.weight, model.wpe.weight, model.ln_f.weight, model.ln_f.bias, *flat]
 

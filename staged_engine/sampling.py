@@ -228,10 +228,8 @@ def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,
         before = lp > lp[c]
         before[:c] |= lp[:c] == lp[c]  # equal probability, smaller id: ranked before c
         if float(lp[before].exp().sum()) >= params.top_p:  # c is cut: choose among the kept
-            _, order = torch.sort(lp, descending=True, stable=True)
-            p = lp[order].exp()
-            cut = order[(torch.cumsum(p, 0) - p) >= params.top_p]
-            best[row] = scores[row].index_fill(0, cut, float("-inf")).argmax()
+            cut = processed_logprobs(logits[row:row + 1], params)[0] == float("-inf")
+            best[row] = scores[row].masked_fill(cut, float("-inf")).argmax()
     return best
 
 
