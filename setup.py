@@ -56,7 +56,9 @@ setup(
     version="0.1.0",
     description="Staged speculative decoding and DSBD for GPT-2-family models",
     python_requires=">=3.10",
-    packages=find_packages(include=["staged_engine", "staged_engine.*", "kernels", "kernels.*"]),
+    # The repository's kernels/ (Triton) installs as staged_engine.kernels: no top-level module.
+    packages=find_packages(include=["staged_engine", "staged_engine.*"]) + ["staged_engine.kernels"],
+    package_dir={"staged_engine.kernels": "kernels"},
     package_data={"staged_engine": ["assets/demo/*/*", "assets/*.json"]},
     include_package_data=True,
     ext_modules=ext_modules,
@@ -64,5 +66,5 @@ setup(
     install_requires=["torch==2.13.0", "safetensors", "tokenizers"],
     extras_require={"bench": ["transformers", "matplotlib"],  # HF baselines and PNG plots
                     "serve": ["fastapi", "uvicorn"]},  # staged-engine serve
-    entry_points={"console_scripts": ["staged-engine=staged_engine.cli:main"]},
+    entry_points={"console_scripts": ["staged-engine=staged_engine.cli.main:main"]},
 )

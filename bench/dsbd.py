@@ -38,7 +38,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (ProgressBar, add_model_and_prompt_args, fmt, load_prompts, machine,  # noqa: E402
                     progress, publish)  # noqa: E402
 
@@ -111,7 +110,7 @@ def run(args) -> dict:
         eng = Engine.from_pretrained(args.oracle, draft=args.draft, ngram=args.ngram)
         oracle_dir, draft_dir = args.oracle, args.draft
     else:
-        from staged_engine.engine import DEMO_DIR
+        from staged_engine.demo_pair import DEMO_DIR
 
         eng = Engine.demo(ngram="staged" in args.systems)
         oracle_dir, draft_dir = os.path.join(DEMO_DIR, "oracle"), os.path.join(DEMO_DIR, "draft")

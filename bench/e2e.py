@@ -22,7 +22,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (ProgressBar, add_model_and_prompt_args, fmt, load_prompts, loops, machine,  # noqa: E402
                     progress, publish)  # noqa: E402
 
@@ -82,7 +81,7 @@ def run(args) -> dict:
         oracle_dir, draft_dir = args.oracle, args.draft
     else:
         eng = Engine.demo()
-        from staged_engine.engine import DEMO_DIR
+        from staged_engine.demo_pair import DEMO_DIR
 
         oracle_dir, draft_dir = os.path.join(DEMO_DIR, "oracle"), os.path.join(DEMO_DIR, "draft")
     if eng.tokenizer is None:

@@ -18,7 +18,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, progress, save  # noqa: E402
 
 NODES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
@@ -35,12 +34,12 @@ def random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def curve(model, backend, prefix: int, repeats: int, nodes: list[int]) -> dict[int, float]:
-    cache = model.new_cache(backend=backend)
+    cache = model.new_cache()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, prefix), generator=g)
     with torch.inference_mode():
-        model(ids, torch.arange(prefix)[None], cache)
+        model(ids, torch.arange(prefix)[None], cache, backend=backend)
         cache.advance()
         out = {}
         for n in nodes:
@@ -51,7 +50,7 @@ def curve(model, backend, prefix: int, repeats: int, nodes: list[int]) -> dict[i
             times = []
             for r in range(repeats + 3):
                 t0 = time.perf_counter()
-                model(toks, pos, cache, mask)
+                model(toks, pos, cache, mask, backend=backend)
                 dt = time.perf_counter() - t0
                 cache.discard()
                 if r >= 3:
@@ -68,9 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="forward_cost.json")
     args = ap.parse_args(argv)
-    from staged_engine.backend import TorchBackend, _cpu
-    from staged_engine.checkpoint import load_model
-    from staged_engine.engine import DEMO_DIR
+    from staged_engine.model.backend import TorchBackend, _cpu
+    from staged_engine.model.checkpoint import load_model
+    from staged_engine.demo_pair import DEMO_DIR
 
     path = args.oracle or os.path.join(DEMO_DIR, "oracle")
     model = load_model(path)

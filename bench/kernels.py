@@ -35,13 +35,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-_ROOT = Path(__file__).resolve().parent.parent
-_HERE = Path(__file__).resolve().parent
-# Run as a script, this file's folder comes first on sys.path and this module would shadow the
-# `kernels` package; drop that entry and make sure the checkout root is there instead.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-if str(_ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(_ROOT))
 
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -196,10 +189,10 @@ def copy_bandwidth(torch, device, timer: Timer, small: bool) -> dict:
 def bench_attention(args, torch, device, dtype, timer, run_triton) -> list[dict]:
     import torch.nn.functional as F
 
-    from kernels.tree_attention import tree_attention_ref
+    from staged_engine.kernels.tree_attention import tree_attention_ref
 
     if run_triton:
-        from kernels.tree_attention import tree_attention
+        from staged_engine.kernels.tree_attention import tree_attention
     h, d, el = args.heads, args.head_dim, torch.tensor([], dtype=dtype).element_size()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -233,10 +226,10 @@ def bench_attention(args, torch, device, dtype, timer, run_triton) -> list[dict]
 
 
 def bench_append(args, torch, device, dtype, timer, run_triton) -> list[dict]:
-    from kernels.kv_cache import kv_append_ref
+    from staged_engine.kernels.kv_cache import kv_append_ref
 
     if run_triton:
-        from kernels.kv_cache import kv_append
+        from staged_engine.kernels.kv_cache import kv_append
     h, d, el = args.heads, args.head_dim, torch.tensor([], dtype=dtype).element_size()
     slots = max(args.prefixes) + max(args.nodes)
     k = torch.zeros(1, h, slots, d, dtype=dtype, device=device)
@@ -258,10 +251,10 @@ def bench_append(args, torch, device, dtype, timer, run_triton) -> list[dict]:
 
 
 def bench_commit(args, torch, device, dtype, timer, run_triton) -> list[dict]:
-    from kernels.kv_cache import kv_commit_ref
+    from staged_engine.kernels.kv_cache import kv_commit_ref
 
     if run_triton:
-        from kernels.kv_cache import kv_commit
+        from staged_engine.kernels.kv_cache import kv_commit
     h, d, el = args.heads, args.head_dim, torch.tensor([], dtype=dtype).element_size()
     prefix = min(args.prefixes)
     slots = prefix + max(args.nodes)
@@ -287,11 +280,11 @@ def bench_commit(args, torch, device, dtype, timer, run_triton) -> list[dict]:
 
 
 def bench_verify(args, torch, device, dtype, timer, run_triton) -> list[dict]:
-    from kernels.verify import verify_tree_ref
+    from staged_engine.kernels.verify import verify_tree_ref
     from staged_engine.sampling import noise_key
 
     if run_triton:
-        from kernels.verify import unpack_verify, verify_tree
+        from staged_engine.kernels.verify import unpack_verify, verify_tree
     el = torch.tensor([], dtype=dtype).element_size()
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -384,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.interpret and args.out is None:
         print("--interpret: no JSON written (pass --out to keep it)")
         return 0
-    out = args.out or (_ROOT / "bench" / "results" / f"kernels_{device.type}.json")
+    out = args.out or (Path(__file__).resolve().parent / "results" / f"kernels_{device.type}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {out}")

@@ -29,7 +29,7 @@ class LlamaCppUnavailable(RuntimeError):
 
 
 def cache_dir() -> str:
-    from staged_engine.demo import cache_dir as engine_cache  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
+    from staged_engine.demo_pair import cache_dir as engine_cache  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
 
     root = engine_cache()
     path = os.path.join(root, "llama.cpp")
@@ -96,8 +96,6 @@ def llama_bench_binary() -> str:
 # it is n_positions.
 _CONVERT = r'''
 import sys
-sys.path.insert(0, {gguf_py!r})
-sys.path.insert(0, {src!r})
 sys.argv = ["convert_hf_to_gguf.py", {model!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
 import convert_hf_to_gguf as conv
 _load = conv.ModelBase.load_hparams
@@ -129,9 +127,10 @@ def convert(checkpoint: str, outtype: str) -> str:
         return out
     if not os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
         raise LlamaCppUnavailable(f"{checkpoint} has no tokenizer.json, which the GGUF converter needs")
-    code = _CONVERT.format(gguf_py=os.path.join(src, "gguf-py"), src=src, model=checkpoint, out=out + ".tmp",
-                           outtype=outtype)
-    _run([sys.executable, "-c", code], f"converting {checkpoint} to GGUF", os.path.join(cache_dir(), "convert.log"))
+    code = _CONVERT.format(model=checkpoint, out=out + ".tmp", outtype=outtype)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.path.join(src, "gguf-py")]))  # llama.cpp's converter
+    _run([sys.executable, "-c", code], f"converting {checkpoint} to GGUF", os.path.join(cache_dir(), "convert.log"),
+         env=env)
     os.replace(out + ".tmp", out)
     return out
 

@@ -37,7 +37,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from staged_engine import ngram as ngram_mod  # noqa: E402
 from staged_engine.ngram import NGramModel  # noqa: E402
 

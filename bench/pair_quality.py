@@ -17,15 +17,14 @@ import sys
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, publish  # noqa: E402
 
 
 def run(args) -> dict:
     from tokenizers import Tokenizer
 
-    from staged_engine.checkpoint import load_model
-    from staged_engine.engine import DEMO_DIR
+    from staged_engine.model.checkpoint import load_model
+    from staged_engine.demo_pair import DEMO_DIR
     from staged_engine.training import corpus
     from staged_engine.training.train import encode_docs, evaluate, token_byte_lengths
 

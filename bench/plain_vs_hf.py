@@ -15,7 +15,6 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, median, progress, save, timed  # noqa: E402
 
 SHAPES = {
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
     out = {"benchmark": "plain decoding vs HF generate (greedy, fp32)", "machine": machine(),
            "results": results}
     path = save(out, "plain_vs_hf.json")
-    print(f"\n| shape | params | HF generate tok/s | staged-engine plain tok/s | speedup | outputs identical |")
+    print("\n| shape | params | HF generate tok/s | staged-engine plain tok/s | speedup | outputs identical |")
     print("|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['shape']} | {r['params'] / 1e6:.0f}M | {r['hf_tokens_per_s']:.1f} | "

@@ -32,7 +32,6 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, progress, publish  # noqa: E402
 from forward_cost import random_tree_mask  # noqa: E402
 
@@ -67,7 +66,7 @@ def gemm_rate() -> float:
 def gpt2_small_checkpoint(tokenizer_from: str) -> str:
     """A GPT-2-small-shaped checkpoint with random weights stored in fp16, made once and cached
     (llama.cpp's converter needs a tokenizer: the demo's, its vocabulary padded)."""
-    from staged_engine.demo import cache_dir as engine_cache  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
+    from staged_engine.demo_pair import cache_dir as engine_cache  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
 
     root = engine_cache()
     path = os.path.join(root, "gpt2-small-shaped-random-fp16")
@@ -85,7 +84,7 @@ def gpt2_small_checkpoint(tokenizer_from: str) -> str:
 
 def decode_ms(model, backend, steps: int = 128, prompt: int = 64) -> float:
     """Median wall time of one plain decoding step (a forward pass and the commit)."""
-    from staged_engine.runner import ModelRunner
+    from staged_engine.model.runner import ModelRunner
 
     runner = ModelRunner(model, backend)
     g = torch.Generator().manual_seed(0)
@@ -102,12 +101,12 @@ def decode_ms(model, backend, steps: int = 128, prompt: int = 64) -> float:
 
 
 def node_curve(model, backend, prefix: int = 128, repeats: int = 15) -> dict[int, float]:
-    cache = model.new_cache(backend=backend)
+    cache = model.new_cache()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     out = {}
     with torch.inference_mode():
-        model(torch.randint(0, vocab, (1, prefix), generator=g), torch.arange(prefix)[None], cache)
+        model(torch.randint(0, vocab, (1, prefix), generator=g), torch.arange(prefix)[None], cache, backend=backend)
         cache.advance()
         for n in NODES:
             mask = random_tree_mask(n, g)
@@ -116,7 +115,7 @@ def node_curve(model, backend, prefix: int = 128, repeats: int = 15) -> dict[int
             times = []
             for r in range(repeats + 2):
                 t0 = time.perf_counter()
-                model(toks, pos, cache, mask)
+                model(toks, pos, cache, mask, backend=backend)
                 times.append(time.perf_counter() - t0)
                 cache.discard()
             out[n] = statistics.median(times[2:])
@@ -151,8 +150,8 @@ def hf_tokens_per_s(path: str, tokens: int = 128) -> float:
 
 
 def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
-    from staged_engine.backend import TorchBackend
-    from staged_engine.checkpoint import load_model
+    from staged_engine.model.backend import TorchBackend
+    from staged_engine.model.checkpoint import load_model
 
     model = load_model(path)
     backend = TorchBackend()
@@ -261,7 +260,7 @@ def main(argv=None) -> int:
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    from staged_engine.engine import DEMO_DIR
+    from staged_engine.demo_pair import DEMO_DIR
 
     if args.models:
         models = {os.path.basename(os.path.normpath(p)): p for p in args.models}

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import load_prompts, machine, progress, publish  # noqa: E402
 
 

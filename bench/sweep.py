@@ -16,7 +16,6 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ProgressBar, machine, save  # noqa: E402
 from e2e import load_prompts  # noqa: E402
 
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     bar.close()
     best = {s: max((r for r in rows if r["strategy"] == s), key=lambda r: r["median_speedup_vs_plain"])
             for s in args.strategies}
-    from staged_engine.engine import DEMO_DIR
+    from staged_engine.demo_pair import DEMO_DIR
 
     out = {"benchmark": f"speculation knob sweep ({mode})", "machine": machine(), "mode": mode,
            "oracle": os.path.join(DEMO_DIR, "oracle"), "oracle_params": eng.config.num_params,

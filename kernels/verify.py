@@ -34,7 +34,7 @@ import triton.language as tl
 
 from staged_engine.sampling import (
     SamplingParams,
-    _mix32_tensor,
+    mix32_tensor,
     processed_logprobs,
     uniform_from_hash,
     vocab_salt,
@@ -105,7 +105,7 @@ def gumbel_noise_ref(keys: torch.Tensor, vocab_size: int, bits: bool = False) ->
     """sampling.py's noise for N keys. keys: (N,) int64; returns (N, V) float32 (or int64 bits)."""
     salt = vocab_salt(vocab_size, keys.device)  # (V,)
     k = keys[:, None]  # (N, 1)
-    h = _mix32_tensor(((_mix32_tensor(salt[None, :] ^ k)) + k) & 0xFFFFFFFF)  # (N, V)
+    h = mix32_tensor(((mix32_tensor(salt[None, :] ^ k)) + k) & 0xFFFFFFFF)  # (N, V)
     if bits:
         return h
     return -torch.log(-torch.log(uniform_from_hash(h)))

@@ -10,14 +10,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import Backend, make_backend
-from .checkpoint import load_model, load_tokenizer
-from .model import GPT2
-from .runner import ModelRunner
-from .sampling import NoiseTable, SamplingParams, choose
-from .drafters import ModelDrafter, NGramDrafter, TreeShape
-from .dsbd import make_beam_decoder
-from .strategies import Decoder, PlainDecoder, SpeculativeDecoder
+from staged_engine.model.backend import Backend, make_backend
+from staged_engine.model.checkpoint import load_model, load_tokenizer
+from staged_engine.model.gpt2 import GPT2
+from staged_engine.model.runner import ModelRunner
+from staged_engine.sampling import SamplingConfig, SamplingParams, choose
+from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
+from staged_engine.beam.decoders import make_beam_decoder
+from staged_engine.demo_pair import DEMO_DIR, demo_ngram
+from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
 
 STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
 # The largest shape of each speculative strategy, per mode. By default a generation does not
@@ -47,7 +48,6 @@ ADAPTIVE_DEFAULT = True
 # Token healing favours keeping the prompt's own last token by this many logits, as HF
 # transformers does, so that 'http' is not healed to 'https' on a whim.
 HEALING_KEEP_BONUS = 1.0
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "demo")
 
 
 @dataclass
@@ -179,7 +179,7 @@ class Engine:
         tokenizer = load_tokenizer(oracle)
         ngram_model = None
         if ngram is not None:
-            from .ngram import NGramModel
+            from staged_engine.ngram import NGramModel
 
             ngram_model = NGramModel.load(ngram)
             if ngram_model.vocab_size > oracle_model.config.vocab_size:
@@ -202,8 +202,6 @@ class Engine:
         eng = cls.from_pretrained(oracle_dir, draft=draft_dir, device=device, backend=backend,
                                   pool_size=pool_size, pool_timeout=pool_timeout)
         if ngram:
-            from .demo import demo_ngram
-
             eng.ngram = demo_ngram(os.path.join(oracle_dir, "tokenizer.json"))
         return eng
 
@@ -266,30 +264,29 @@ class Engine:
         return {"weights": weights, "per_state": per_state, "pool_size": self._pool.size,
                 "states_allocated": self._pool.states(), "total": weights + per_state * self._pool.states()}
 
-    def _decoder(self, state: dict, strategy: str, params: SamplingParams, noise: NoiseTable | None,
-                 options: dict, num_beams: int = 1) -> Decoder:
+    def _decoder(self, state: dict, strategy: str, sampling: SamplingConfig, options: dict,
+                 num_beams: int = 1) -> Decoder:
         oracle = self._runner(state, "oracle", self.oracle)
         if strategy == "plain":
             if options:
                 raise ValueError(f"strategy 'plain' takes no options, got {sorted(options)}")
-            return PlainDecoder(oracle, params, noise)
+            return PlainDecoder(oracle, sampling)
         if strategy in ("chain", "tree", "staged"):
             adaptive = options.pop("adaptive", ADAPTIVE_DEFAULT and not any(k in options for k in SHAPE_OPTIONS))
             if not isinstance(adaptive, bool):
                 raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
-            return SpeculativeDecoder(oracle, params, noise,
-                                      self._drafter(state, strategy, params, noise, options), strategy, adaptive)
-        return make_beam_decoder(self, strategy, params, num_beams, options)
+            return SpeculativeDecoder(oracle, sampling, self._drafter(state, strategy, sampling, options), strategy,
+                                      adaptive)
+        return make_beam_decoder(self, strategy, sampling, num_beams, options)
 
-    def _drafter(self, state: dict, strategy: str, params: SamplingParams, noise: NoiseTable | None,
-                 options: dict) -> ModelDrafter:
+    def _drafter(self, state: dict, strategy: str, sampling: SamplingConfig, options: dict) -> ModelDrafter:
         unknown = sorted(set(options) - set(SPEC_OPTIONS))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for strategy {strategy!r}; "
                              f"known: {list(SPEC_OPTIONS)}")
         if self.draft is None:
             raise ValueError(f"strategy {strategy!r} needs a draft model (Engine.from_pretrained(draft=...))")
-        mode = "greedy" if params.greedy else "sampled"
+        mode = "greedy" if sampling.greedy else "sampled"
         shape = DEFAULT_SHAPES[mode][strategy]
         if strategy == "chain":
             if any(k in options for k in ("budget", "children", "expand", "max_depth")):
@@ -306,11 +303,11 @@ class Engine:
             widths = tuple(options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS[mode]))
             inner = NGramDrafter(self._ngram_model(), widths, bool(options.get("ngram_learn", False)))
             if self.draft2 is not None:
-                inner = ModelDrafter(self._runner(state, "draft2", self.draft2), params, noise,
+                inner = ModelDrafter(self._runner(state, "draft2", self.draft2), sampling,
                                      TreeShape(budget=8, max_depth=4, children=2, expand=2), inner)
         elif "ngram_widths" in options or "ngram_learn" in options:
             raise ValueError(f"ngram_widths/ngram_learn are options of strategy 'staged', not {strategy!r}")
-        return ModelDrafter(self._runner(state, "draft", self.draft), params, noise, shape, inner)
+        return ModelDrafter(self._runner(state, "draft", self.draft), sampling, shape, inner)
 
     def _ngram_model(self):
         if self.ngram is None:
@@ -324,12 +321,12 @@ class Engine:
             if self._healer is None:
                 if self.tokenizer is None:
                     raise ValueError("token_healing needs a tokenizer (tokenizer.json in the oracle directory)")
-                from .healing import TokenHealer
+                from staged_engine.healing import TokenHealer
 
                 self._healer = TokenHealer(self.tokenizer, self.config.vocab_size)
             return self._healer
 
-    def _heal(self, ids: list[int], params: SamplingParams, noise: NoiseTable | None) -> tuple[list[int], int] | None:
+    def _heal(self, ids: list[int], sampling: SamplingConfig) -> tuple[list[int], int] | None:
         """(prompt without its last token, the healed first token), or None when there is nothing
         to heal (a one-token prompt, or a last token with no byte-level extension)."""
         if len(ids) < 2:
@@ -341,7 +338,7 @@ class Engine:
         logits = self.logits(trimmed)[-1]
         masked = self.healer().mask(logits, allowed)
         masked[ids[-1]] += HEALING_KEEP_BONUS
-        return trimmed, int(choose(masked[None], [len(trimmed)], params, noise)[0])
+        return trimmed, int(choose(masked[None], [len(trimmed)], sampling.params, sampling.noise)[0])
 
     def _rounds(self, prompt, max_new_tokens: int, strategy: str, temperature: float, top_k: int,
                 top_p: float, seed: int | None, num_beams: int, stop_at_eos: bool,
@@ -361,18 +358,18 @@ class Engine:
         if not isinstance(token_healing, bool):
             raise ValueError(f"token_healing must be True or False, got {token_healing!r}")
         ids = self.encode(prompt)
-        noise = None if params.greedy else NoiseTable(params.seed, self.config.vocab_size, self.device)
+        sampling = SamplingConfig.make(params, self.config.vocab_size, self.device)
         state = self._pool.acquire()
         try:
-            yield from self._generate_in(state, ids, params, noise, strategy, options, num_beams,
+            yield from self._generate_in(state, ids, sampling, strategy, options, num_beams,
                                          max_new_tokens, stop_at_eos, token_healing, stats)
         finally:  # also when a stream is closed, garbage-collected or abandoned mid-way
             self._pool.release(state)
 
-    def _generate_in(self, state: dict, ids: list[int], params: SamplingParams, noise: NoiseTable | None,
+    def _generate_in(self, state: dict, ids: list[int], sampling: SamplingConfig,
                      strategy: str, options: dict, num_beams: int, max_new_tokens: int, stop_at_eos: bool,
                      token_healing: bool, stats: dict) -> Iterator[list[int]]:
-        decoder = self._decoder(state, strategy, params, noise, dict(options), num_beams)
+        decoder = self._decoder(state, strategy, sampling, dict(options), num_beams)
         n_ctx = self.config.n_positions
         t0 = time.perf_counter()
         produced = 0
@@ -381,7 +378,7 @@ class Engine:
         # suspended inside the context would leave it switched on (or off) for whatever code
         # runs next on this thread, such as another stream or the caller's own model code.
         with torch.inference_mode():
-            healed = self._heal(ids, params, noise) if token_healing else None
+            healed = self._heal(ids, sampling) if token_healing else None
         if healed is not None:
             stats["healed_token"] = ids[-1]
             ids = healed[0] + [healed[1]]
@@ -421,8 +418,8 @@ class Engine:
             overhead_share=max(0.0, 1.0 - forward / seconds) if seconds > 0 else 0.0,
             accepted_lengths=list(decoder.accepted_lengths),
         )
-        stats.update(getattr(decoder, "extra_stats", dict)())
-        oracle_bytes = self.config.weight_bytes_fp32 * oracle.model.wte.weight.element_size() // 4
+        stats.update(decoder.extra_stats())
+        oracle_bytes = oracle.model.weight_bytes()
         if produced:
             stats["relative_memory_traffic"] = (
                 calls * oracle_bytes + decoder.draft_weight_bytes()) / (produced * oracle_bytes)
@@ -471,7 +468,6 @@ class Engine:
         piece = streamer.finish()
         if piece:
             yield piece
-        self.last_stats = stats
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """(len, V) float32 oracle logits at every position of one plain forward pass."""
@@ -479,10 +475,10 @@ class Engine:
         if len(ids) > self.config.n_positions:
             raise ValueError(f"token_ids has {len(ids)} tokens; the context window is {self.config.n_positions}")
         with torch.inference_mode():
-            cache = self.oracle.new_cache(batch=1, max_len=len(ids), backend=self.backend)
+            cache = self.oracle.new_cache(batch=1, max_len=len(ids))
             x = torch.tensor([ids], dtype=torch.int64, device=self.device)
             pos = torch.arange(len(ids), device=self.device)[None]
-            return self.oracle(x, pos, cache)[0].float()
+            return self.oracle(x, pos, cache, backend=self.backend)[0].float()
 
 
 def _parse_device(device) -> torch.device:

@@ -23,7 +23,7 @@ _GOLDEN = 0x9E3779B9
 _VOCAB_SALT = 0x632BE5AB
 
 
-def _mix32_int(x: int) -> int:
+def mix32_int(x: int) -> int:
     """lowbias32 on a Python int in [0, 2^32)."""
     x ^= x >> 16
     x = (x * 0x7FEB352D) & _M32
@@ -33,7 +33,7 @@ def _mix32_int(x: int) -> int:
     return x
 
 
-def _mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     """lowbias32 on an int64 tensor holding values in [0, 2^32); int64 products wrap mod 2^64,
     which keeps the low 32 bits exact."""
     x = x ^ (x >> 16)
@@ -46,22 +46,22 @@ def _mix32_tensor(x: torch.Tensor) -> torch.Tensor:
 def noise_key(seed: int, position: int) -> int:
     """The 32-bit key of the noise vector at (seed, position)."""
     s = seed & 0xFFFFFFFFFFFFFFFF
-    k = _mix32_int((s & _M32) ^ _GOLDEN)
-    k = _mix32_int(k ^ (s >> 32))
-    return _mix32_int(k ^ (position & _M32))
+    k = mix32_int((s & _M32) ^ _GOLDEN)
+    k = mix32_int(k ^ (s >> 32))
+    return mix32_int(k ^ (position & _M32))
 
 
 def vocab_salt(vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """(V,) int64: the per-token half of the hash, independent of seed and position."""
     v = torch.arange(vocab_size, dtype=torch.int64, device=device)
-    return _mix32_tensor((v * _GOLDEN + _VOCAB_SALT) & _M32)
+    return mix32_tensor((v * _GOLDEN + _VOCAB_SALT) & _M32)
 
 
 def _hash_reference(seed: int, position: int, token: int) -> int:
     """Pure-Python 32-bit hash of (seed, position, token); the tests' reference."""
     key = noise_key(seed, position)
-    salt = _mix32_int((token * _GOLDEN + _VOCAB_SALT) & _M32)
-    return _mix32_int((_mix32_int(salt ^ key) + key) & _M32)
+    salt = mix32_int((token * _GOLDEN + _VOCAB_SALT) & _M32)
+    return mix32_int((mix32_int(salt ^ key) + key) & _M32)
 
 
 def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
 def gumbel_noise(seed: int, position: int, salt: torch.Tensor) -> torch.Tensor:
     """(V,) float32 Gumbel(0, 1) noise g(seed, position); ``salt`` comes from ``vocab_salt``."""
     key = noise_key(seed, position)
-    h = _mix32_tensor(((_mix32_tensor(salt ^ key)) + key) & _M32)
+    h = mix32_tensor(((mix32_tensor(salt ^ key)) + key) & _M32)
     u = uniform_from_hash(h)
     return -torch.log(-torch.log(u))
 
@@ -193,8 +193,32 @@ class NoiseTable:
         gathered at ``ids``, computed for those tokens only."""
         keys = torch.tensor([noise_key(self.seed, p) for p in positions], dtype=torch.int64,
                             device=ids.device).unsqueeze(1)
-        h = _mix32_tensor(((_mix32_tensor(self.salt[ids] ^ keys)) + keys) & _M32)
+        h = mix32_tensor(((mix32_tensor(self.salt[ids] ^ keys)) + keys) & _M32)
         return -torch.log(-torch.log(uniform_from_hash(h)))
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """One generation's sampling rule: the parameters and, when sampling, the noise table
+    g(seed, position) every strategy draws with (ALGORITHMS.md sec. 3)."""
+
+    params: SamplingParams
+    noise: NoiseTable | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.greedy != (self.noise is None):
+            raise ValueError("SamplingConfig: a noise table goes with sampling, none with greedy decoding")
+
+    @classmethod
+    def make(cls, params: SamplingParams, vocab_size: int, device: torch.device | str = "cpu") -> "SamplingConfig":
+        """The config of one generation (its seed must be set when sampling)."""
+        if not params.greedy and params.seed is None:
+            raise ValueError("SamplingConfig.make needs a seed when sampling")
+        return cls(params, None if params.greedy else NoiseTable(params.seed, vocab_size, device))
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
 
 
 def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,

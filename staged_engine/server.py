@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 
-from .engine import STRATEGIES, Engine
+from staged_engine.engine import STRATEGIES, Engine
 
 DEFAULTS = dict(max_tokens=16, temperature=1.0, top_p=1.0, strategy="staged")  # OpenAI's defaults
 

@@ -12,8 +12,10 @@ from typing import Sequence
 
 import torch
 
+from staged_engine.beam.core import CachelessLM
 
-class MarkovLM:
+
+class MarkovLM(CachelessLM):
     """BeamLM over a (V, V) row-stochastic float64 matrix; counts its calls."""
 
     def __init__(self, transition: torch.Tensor) -> None:
@@ -95,11 +97,11 @@ class Markov2Model:
     Usable as ``Engine(oracle=..., draft=...)``: ``new_cache`` returns a real KVCache (1 layer,
     1 head, head_dim 2, float64) and ``__call__(tokens, positions, cache, tree_mask, last_only)``
     writes each new token's (token, position) as its "K" (and "V") at the slots the cache gives
-    (``cache.write_starts``), then finds each node's context the way attention would: committed
+    (``cache.append``), then finds each node's context the way attention would: committed
     slots [0, lengths[b]) plus the pending entries the node may see (``tree_mask[i, j]``, or
     the chain rule j <= M - N + i when the mask is None). The logits of a node holding token b
     at position t are log T[a, b, :], a being the visible entry at position t - 1 (``bos`` at
-    t = 0). It sets ``cache.pending = M`` like the real model.
+    t = 0). Its entries become pending like the real model's.
 
     With ``strict`` (default) every node must see exactly one entry per position 0..t, itself
     at t, and committed slot s must hold position s: any mask or commit bug that would feed a
@@ -129,13 +131,14 @@ class Markov2Model:
     def vocab(self) -> int:
         return self.transition.shape[0]
 
-    def new_cache(self, batch: int = 1, max_len: int | None = None, backend=None):
-        from staged_engine.backend import TorchBackend
-        from staged_engine.kv_cache import KVCache
+    def new_cache(self, batch: int = 1, max_len: int | None = None):
+        from staged_engine.model.kv_cache import KVCache
 
         c = self.config
-        return KVCache(c.n_layer, batch, c.n_head, max_len or c.n_positions, c.head_dim,
-                       torch.float64, "cpu", backend or TorchBackend())
+        return KVCache(c.n_layer, batch, c.n_head, max_len or c.n_positions, c.head_dim, torch.float64, "cpu")
+
+    def weight_bytes(self) -> int:
+        return self.config.weight_bytes_fp32
 
     def _visibility(self, tree_mask: torch.Tensor | None, b: int, n: int, m: int) -> torch.Tensor:
         """(B, N, M) bool: may new token i of row b see uncommitted entry j."""
@@ -146,11 +149,10 @@ class Markov2Model:
         return mask.expand(b, n, m) if mask.dim() == 2 else mask
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache, tree_mask=None,
-                 last_only: bool = False) -> torch.Tensor:
+                 last_only: bool = False, backend=None) -> torch.Tensor:
         b, n = tokens.shape
         if tuple(positions.shape) != (b, n):
             raise ValueError(f"positions must be {(b, n)}, got {tuple(positions.shape)}")
-        writes = cache.write_starts(n)
         m = cache.pending + n
         if tree_mask is not None:
             if tuple(tree_mask.shape[-2:]) != (n, m) or tree_mask.dim() not in (2, 3) \
@@ -159,6 +161,7 @@ class Markov2Model:
                                  f"{cache.pending} pending entries, got {tuple(tree_mask.shape)}")
             if tree_mask.dtype != torch.bool:
                 raise ValueError(f"tree_mask must be bool, got {tree_mask.dtype}")
+        writes, _, m = cache.append(n)
         self.calls += 1
         self.nodes += b * n
         kv = cache.k[0, :, 0]  # (B, S, 2): [..., 0] token, [..., 1] position
@@ -198,7 +201,6 @@ class Markov2Model:
                     prev[row][i] = cands[-1]
         a = torch.tensor(prev, dtype=torch.int64)
         logits = self.log_t[a, tokens]  # (B, N, V)
-        cache.pending = m
         return logits[:, -1:] if last_only else logits
 
 

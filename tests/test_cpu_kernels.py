@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from staged_engine.backend import TorchBackend, _cpu
+from staged_engine.model.backend import TorchBackend, _cpu
 
 pytestmark = pytest.mark.skipif(_cpu is None, reason="staged_engine._cpu is not built")
 

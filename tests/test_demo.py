@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from staged_engine import Engine
-from staged_engine.demo import DEMO_PROMPTS
-from staged_engine.engine import DEMO_DIR
+from staged_engine.demo_pair import DEMO_PROMPTS
+from staged_engine.demo_pair import DEMO_DIR
 
 CODE = '''def merge(a, b):
     """Merge two sorted lists."""

@@ -17,9 +17,11 @@ from transformers import GPT2LMHeadModel
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-import staged_engine.dsbd as dsbd
 from staged_engine import Engine, SamplingParams
-from staged_engine.dsbd_core import DSBDConfig, dsbd_generate
+import staged_engine.beam.core as core
+from staged_engine.beam.core import CachelessLM, DSBDConfig, dsbd_generate
+from staged_engine.beam.decoders import TreeLM
+from staged_engine.model.runner import ModelRunner
 
 VOCAB = 997
 F64 = torch.float64
@@ -93,14 +95,14 @@ def reference_beam_sample(model, prompt, width, steps, seed, temperature, top_k,
 ])
 def test_beam_matches_hf_reference(engine, hf, monkeypatch, layout, width, temperature, top_k, top_p, seed):
     seen = []
-    real_joint = dsbd.beam_joint
+    real_joint = core.beam_joint
 
     def recording_joint(log_scores, probs):
         out = real_joint(log_scores, probs)
         seen.append(out)
         return out
 
-    monkeypatch.setattr(dsbd, "beam_joint", recording_joint)
+    monkeypatch.setattr(core, "beam_joint", recording_joint)  # BeamSampling.step draws from it
     prompt, steps = _prompt(7 + seed, seed), 20
     res = engine.generate(prompt, max_new_tokens=steps, strategy="beam", num_beams=width,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, layout=layout)
@@ -129,8 +131,8 @@ def test_tree_lm_keeps_diverging_beams_and_grows(engine, hf):
     window + 1 slot here), the cache is regrown, and every distribution still equals HF's full
     recompute."""
     params = SamplingParams(temperature=1.0, seed=0)
-    runner = dsbd._beam_runner(engine.oracle, engine.backend, rows=1, extra_slots=1)
-    lm = dsbd.TreeLM(runner, params, slack=1)
+    runner = ModelRunner(engine.oracle, engine.backend, max_len=engine.config.n_positions + 1)
+    lm = TreeLM(runner, params, slack=1)
     prompt = _prompt(engine.config.n_positions - 20, 70)
     lm.start(prompt)
     g = torch.Generator().manual_seed(70)
@@ -152,7 +154,7 @@ def test_tree_lm_keeps_diverging_beams_and_grows(engine, hf):
 # --------------------------------------------------------------------------------------------
 # DSBD through the engine = the core's dsbd_generate on HF full-recompute models, draw for draw
 # --------------------------------------------------------------------------------------------
-class HFBeamLM:
+class HFBeamLM(CachelessLM):
     """dsbd_core.BeamLM on an HF model without a cache. The core's sequences start at the
     prompt's last token; ``head`` is the rest of the prompt."""
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from markov_lm import MarkovLM, random_markov
-from staged_engine.dsbd_core import (
+from staged_engine.beam.core import (
     DSBDConfig,
     acceptance_alphas,
     beam_joint,

@@ -10,7 +10,7 @@ import torch
 from ckpt_util import make_hf_checkpoint
 
 from staged_engine import Engine
-from staged_engine.checkpoint import load_model
+from staged_engine.model.checkpoint import load_model
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ with plain dict counts, that never calls the code under test.
 from __future__ import annotations
 
 import json
-import os
 import random
 import struct
 import subprocess
@@ -22,9 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from staged_engine import ngram as ngram_mod
+from staged_engine.cli import build as build_cli
 from staged_engine.ngram import MAX_VOCAB, NGramModel
 
-HAVE_CPP = ngram_mod._ngram is not None
+HAVE_CPP = ngram_mod.cpp_available()
 BACKENDS = [
     pytest.param("cpp", marks=pytest.mark.skipif(not HAVE_CPP, reason="_ngram not built")),
     "python",
@@ -307,7 +307,7 @@ def test_large_vocab_and_packing(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_counts_saturate(backend):
     lists = [{(): [(0, COUNT_MAX - 1), (1, 5)]}, {(1,): [(0, COUNT_MAX)]}]
-    data = ngram_mod._PyModel(2, 3, 0, 1, lists).to_bytes()
+    data = ngram_mod.ReferenceNGram(2, 3, 0, 1, lists).to_bytes()
     model = NGramModel.from_bytes(data, backend=backend)
     model.update([1, 0, 0, 0])
     assert model.continuations([]) == [(0, COUNT_MAX), (1, 6)]
@@ -355,7 +355,9 @@ def test_backends_agree_on_10000_queries(order):
 @pytest.mark.skipif(not HAVE_CPP, reason="_ngram not built")
 def test_extension_checks_raw_inputs():
     """The C++ entry points check what the wrapper normally guarantees, and take empty input."""
-    raw = ngram_mod._ngram.Model
+    from staged_engine import _ngram  # the C++ unit itself, beneath NGramModel
+
+    raw = _ngram.Model
     for toks, offs in [([1, 2, 3], [0, 2]), ([1, 2, 3], [1, 3]), ([1, 2, 3], [0, 3, 2, 3]),
                        ([1, 2, 3], []), ([], [])]:
         with pytest.raises(ValueError, match="doc_offsets"):
@@ -474,15 +476,15 @@ def _corrupt_variants():
     b = bytearray(good); b[128:136] = b[136:144]  # unigram list: a repeated entry
     out["hostile_unigram_repeat"] = _fix_crcs(bytes(b))
     # A token twice at different counts is still "ranked" by count (found by the fuzzer).
-    out["hostile_repeat_other_count"] = ngram_mod._PyModel(
+    out["hostile_repeat_other_count"] = ngram_mod.ReferenceNGram(
         2, 5, 0, 1, [{(): [(1, 4)]}, {(1,): [(0, 5), (0, 3)]}]).to_bytes()
     return out
 
 
 LOADER_SCRIPT = textwrap.dedent("""
     import json, os, sys
-    from staged_engine.ngram import NGramModel, _ngram
-    backends = ["python"] + (["cpp"] if _ngram is not None else [])
+    from staged_engine.ngram import NGramModel, cpp_available
+    backends = ["python"] + (["cpp"] if cpp_available() else [])
     results = {}
     for name in sorted(os.listdir(sys.argv[1])):
         path = os.path.join(sys.argv[1], name)
@@ -584,7 +586,7 @@ def _cli(argv):
 
     parser = argparse.ArgumentParser(prog="staged-engine")
     sub = parser.add_subparsers(dest="command")
-    ngram_mod.register_cli(sub)
+    build_cli.register_cli(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -157,12 +157,14 @@ def check_one(data: bytes, loaders: dict[str, Callable[[bytes], Any]]) -> str:
 def make_loaders(cpp_module: str | None) -> dict[str, Callable[[bytes], Any]]:
     from staged_engine import ngram
 
-    loaders: dict[str, Callable[[bytes], Any]] = {"python": ngram._PyModel.from_bytes}
+    loaders: dict[str, Callable[[bytes], Any]] = {"python": ngram.ReferenceNGram.from_bytes}
     if cpp_module:  # e.g. an AddressSanitizer build of csrc/ named _ngram in that directory
         sys.path.insert(0, cpp_module)
         loaders["cpp"] = importlib.import_module("_ngram").Model.from_bytes
-    elif ngram._ngram is not None:
-        loaders["cpp"] = ngram._ngram.Model.from_bytes
+    elif ngram.cpp_available():
+        from staged_engine import _ngram  # the C++ loader itself
+
+        loaders["cpp"] = _ngram.Model.from_bytes
     return loaders
 
 

@@ -19,8 +19,8 @@ import torch
 
 from markov_lm import Markov2Model, random_markov2, sample_markov2
 from staged_engine import Engine, NGramModel
-from staged_engine.kv_cache import KVCache
-from staged_engine.tree import Tree
+from staged_engine.model.kv_cache import KVCache
+from staged_engine.spec.tree import Tree
 
 F64 = torch.float64
 V = 6
@@ -182,7 +182,7 @@ def test_adapter_forward_is_the_markov_chain() -> None:
     assert torch.equal(out2[0], log_t[2, 1]) and torch.equal(out2[1], log_t[5, 0])
     assert cache.pending == 9
     # commit the path 0 -> 2 -> 4 -> (pending 8): the entries move to slots 5..8
-    cache.commit_path([0, 2, 4, 8])
+    cache.commit([0, 2, 4, 8])
     assert cache.lengths == [9] and cache.pending == 0
     assert cache.k[0, 0, 0, 5:9, 0].tolist() == [2, 1, 5, 0]
     assert cache.k[0, 0, 0, :9, 1].tolist() == list(range(9))

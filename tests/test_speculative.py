@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from staged_engine import Engine, NGramModel
-from staged_engine.backend import TorchBackend, _cpu
+from staged_engine.engine import DEFAULT_NGRAM_WIDTHS, DEFAULT_SHAPES
+from staged_engine.model.backend import TorchBackend, _cpu
+from staged_engine.model.runner import ModelRunner
+from staged_engine.sampling import SamplingConfig, SamplingParams
+from staged_engine.spec.decoders import PlainDecoder, SpeculativeDecoder
+from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
 
 VOCAB = 997
 SHAPES = [
@@ -73,10 +78,25 @@ def test_three_model_cascade(pair, tmp_path):
     assert res.stats["draft_calls"] > 0
 
 
-def _oracle_cache(eng: Engine):
-    cache = eng._pool._free[-1]["oracle"].cache  # the state the last generation used
-    n = cache.lengths[0]
-    return cache.k[:, 0, :, :n].clone(), cache.v[:, 0, :, :n].clone()
+def _decode(eng: Engine, strategy: str, opts: dict, prompt: list[int], n: int):
+    """Greedy decoding with the public pieces the engine assembles (runners, a drafter, a
+    decoder): the tokens and the oracle cache's committed K/V."""
+    sampling = SamplingConfig(SamplingParams())
+    oracle = ModelRunner(eng.oracle, eng.backend)
+    if strategy == "plain":
+        decoder = PlainDecoder(oracle, sampling)
+    else:
+        shape = TreeShape(**opts) if opts else DEFAULT_SHAPES["greedy"][strategy]
+        inner = NGramDrafter(eng.ngram, DEFAULT_NGRAM_WIDTHS["greedy"]) if strategy == "staged" else None
+        drafter = ModelDrafter(ModelRunner(eng.draft, eng.backend), sampling, shape, inner)
+        decoder = SpeculativeDecoder(oracle, sampling, drafter, strategy, adaptive=not opts)
+    out: list[int] = []
+    with torch.inference_mode():
+        decoder.start(prompt)
+        while len(out) < n:
+            out += decoder.round(n - len(out))
+    length = oracle.length
+    return out[:n], oracle.cache.k[:, 0, :, :length].clone(), oracle.cache.v[:, 0, :, :length].clone()
 
 
 @pytest.mark.skipif(_cpu is None, reason="bit-exactness needs the native CPU kernels")
@@ -84,10 +104,10 @@ def _oracle_cache(eng: Engine):
 def test_cache_bit_identical_to_plain(engine, strategy, opts):
     assert engine.backend.native
     for prompt in _prompts(3, 4):
-        engine.generate(prompt, max_new_tokens=40, strategy="plain")
-        k_ref, v_ref = _oracle_cache(engine)
-        engine.generate(prompt, max_new_tokens=40, strategy=strategy, **opts)
-        k, v = _oracle_cache(engine)
+        ref, k_ref, v_ref = _decode(engine, "plain", {}, prompt, 40)
+        assert engine.generate(prompt, max_new_tokens=40, strategy="plain").token_ids == ref
+        out, k, v = _decode(engine, strategy, opts, prompt, 40)
+        assert out == ref
         n = min(k.shape[2], k_ref.shape[2])
         assert n >= len(prompt) + 38
         assert torch.equal(k[:, :, :n], k_ref[:, :, :n])

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from staged_engine.checkpoint import load_model
-from staged_engine.tree import Tree
+from staged_engine.model.checkpoint import load_model
+from staged_engine.spec.tree import Tree
 
 
 def _dense_logits(model, ids: list[int]) -> torch.Tensor:

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load_model, save_model
-from ..config import GPT2Config
-from ..model import GPT2
+from staged_engine.model.checkpoint import load_model, save_model
+from staged_engine.model.config import GPT2Config
+from staged_engine.model.gpt2 import GPT2
 from . import corpus as corpus_mod
 from .tokenizer import EOS_TOKEN, train_tokenizer
 

@@ -1,23 +1,18 @@
 """Kernel tests: compiled Triton on CUDA, the Triton interpreter on CPU.
 
 TRITON_INTERPRET must be set before triton is imported (the @triton.jit decorator reads it), so
-this file sets it at import time, before any test module imports ``kernels``. If something
+this file sets it at import time, before any test module imports ``staged_engine.kernels``. If something
 imported the kernels earlier without it, the ``device`` fixture fails with the reason.
 """
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _ROOT not in sys.path:  # running from a checkout that was not `pip install -e .`-ed
-    sys.path.insert(0, _ROOT)
 
 
 @pytest.fixture(scope="session")
@@ -26,8 +21,8 @@ def device() -> torch.device:
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         return torch.device("cuda")
-    from kernels import interpreting
-    from kernels.kv_cache import _kv_append_kernel
+    from staged_engine.kernels import interpreting
+    from staged_engine.kernels.kv_cache import _kv_append_kernel
 
     if not interpreting(_kv_append_kernel):
         pytest.fail("kernels/ was imported before TRITON_INTERPRET=1 was set; set it in the "

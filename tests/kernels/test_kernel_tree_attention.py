@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.tree_attention import tree_attention, tree_attention_ref  # noqa: E402
+from staged_engine.kernels.tree_attention import tree_attention, tree_attention_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [40, 64]

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.verify import (  # noqa: E402
+from staged_engine.kernels.verify import (  # noqa: E402
     choice,
     choice_ref,
     gumbel_noise,

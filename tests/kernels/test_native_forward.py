@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from staged_engine.backend import TorchBackend, _cpu
-from staged_engine.checkpoint import load_model
-from staged_engine.runner import ModelRunner
+from staged_engine.model.backend import TorchBackend, _cpu
+from staged_engine.model.checkpoint import load_model
+from staged_engine.model.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(_cpu is None or not hasattr(_cpu, "NativeGPT2"),
                                 reason="the _cpu extension is not built")
@@ -22,7 +22,7 @@ NAMES = ["odd96", "eps64", "relu80"]
 def _decode(model, backend, batch: int, steps) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Run a fixed sequence of forward calls (chains, trees, pending entries, commits); return
     every call's logits and the final cache."""
-    cache = model.new_cache(batch=batch, backend=backend)
+    cache = model.new_cache(batch=batch)
     g = torch.Generator().manual_seed(0)
     outs = []
     vocab = model.config.vocab_size
@@ -37,7 +37,7 @@ def _decode(model, backend, batch: int, steps) -> tuple[list[torch.Tensor], torc
             mask[:, :cache.pending] = True
             mask[:, cache.pending:] = torch.eye(n, dtype=torch.bool)
         with torch.inference_mode():
-            outs.append(model.forward(tokens, positions, cache, mask))
+            outs.append(model.forward(tokens, positions, cache, mask, backend=backend))
         if commit:
             cache.advance()
     return outs, cache.k.clone(), cache.v.clone()

@@ -2,7 +2,6 @@
 atomic export, bad input, and the train-demo command end to end on a tiny configuration."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -11,10 +10,10 @@ import torch.nn.functional as F
 import pytest
 import torch
 
-from staged_engine.checkpoint import load_model
-from staged_engine.cli import main as cli_main
-from staged_engine.config import GPT2Config
-from staged_engine.model import GPT2
+from staged_engine.model.checkpoint import load_model
+from staged_engine.cli.main import main as cli_main
+from staged_engine.model.config import GPT2Config
+from staged_engine.model.gpt2 import GPT2
 from staged_engine.training.tokenizer import EOS_TOKEN, train_tokenizer
 from staged_engine.training.train import (
     DemoPaths, TrainConfig, batch_at, encode_docs, eval_windows, evaluate, export_model, lr_at,

@@ -5,7 +5,9 @@ import argparse
 import json
 import sys
 
-from .engine import STRATEGIES
+from staged_engine import server
+from staged_engine.cli import bench, build, demo
+from staged_engine.engine import STRATEGIES, Engine
 
 _EPILOG = "Run `staged-engine COMMAND --help` for the options of each command."
 
@@ -55,15 +57,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from . import demo
-
     return demo.run(args)
 
 
 def _cmd_serve(args) -> int:
     import os
-
-    from . import server
 
     for name in ("pool_size", "max_queue"):
         if getattr(args, name) < (1 if name == "pool_size" else 0):
@@ -78,8 +76,6 @@ def _cmd_serve(args) -> int:
 
 
 def _load_engine(args, pool_size: int = 4):
-    from .engine import Engine
-
     if args.oracle is None:
         if args.draft or args.draft2:
             raise ValueError("--draft/--draft2 need --oracle")
@@ -127,11 +123,11 @@ def _cmd_generate(args) -> int:
                   num_beams=args.num_beams, stop_at_eos=not args.no_eos, token_healing=args.token_healing,
                   **_options(args))
     if args.stream and eng.tokenizer is not None:
-        for piece in eng.stream(prompt, **kwargs):
+        stats: dict = {}
+        for piece in eng.stream(prompt, stats=stats, **kwargs):
             sys.stdout.write(piece)
             sys.stdout.flush()
         sys.stdout.write("\n")
-        stats = eng.last_stats
     else:
         res = eng.generate(prompt, **kwargs)
         print(res.text if res.text is not None else " ".join(map(str, res.token_ids)))
@@ -193,11 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.set_defaults(func=_cmd_serve)
 
-    from . import bench_cli, ngram
-    from .training import train
-
-    for mod in (ngram, train, bench_cli):
-        mod.register_cli(sub)
+    build.register_cli(sub)
+    bench.register_cli(sub)
     return parser
 
 

@@ -24,26 +24,29 @@ Two cache layouts (option ``layout``), same results draw for draw:
   sampling every beam slot, duplicates included, has its row. Memory mode needs one row.
 
 A node whose sequence repeats another's (beam sampling draws with replacement) is evaluated
-once; the core still sees every slot. Both decoders run the whole generation in one ``round``
-call and return the best beam's tokens. One ``torch.Generator`` seeded from ``params.seed``
-(0 when greedy) drives every draw. The core's sequences start at the prompt's last token (the
-cache already holds the rest of the prompt).
+once; the core still sees every slot. One round is one oracle pass, as for every strategy: the
+decoder runs the core's own ``BeamSampling`` / ``DSBDRun`` one step per ``round`` (the
+reference functions ``beam_sample`` and ``dsbd_generate`` loop over the same objects, so the
+engine and the reference cannot drift apart), and emits the tokens every live beam shares as
+soon as they are fixed: they are certain to begin the best final beam. The last round emits
+the rest of the best beam. One ``torch.Generator`` seeded from ``params.seed`` (0 when greedy)
+drives every draw. The core's sequences start at the prompt's last token (the cache already
+holds the rest of the prompt).
 """
 from __future__ import annotations
 
-import copy
-import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from .backend import Backend
-from .dsbd_core import Beams, DSBDConfig, Prefix, TorchRandom, beam_joint, dsbd_round, extend
-from .kv_cache import KVCache
-from .model import GPT2
-from .runner import ModelRunner
-from .sampling import SamplingParams, processed_probs
-from .strategies import Decoder
+from staged_engine.beam.core import Beams, BeamSampling, DSBDConfig, DSBDRun, Prefix, TorchRandom
+from staged_engine.model.backend import Backend
+from staged_engine.model.gpt2 import GPT2
+from staged_engine.model.kv_cache import KVCache
+from staged_engine.model.runner import ModelRunner
+from staged_engine.sampling import SamplingConfig, SamplingParams, processed_probs
+from staged_engine.spec.decoders import Decoder
 
 # Paper defaults (Qin et al., sec. 5): gamma 4, 8 draft beams, threshold 0.7, W_min 1.
 DSBD_OPTIONS = {"gamma": 4, "draft_width": 8, "threshold": 0.7, "w_min": 1, "dynamic": True,
@@ -55,7 +58,7 @@ DEFAULT_LAYOUT = "tree"
 PREFILL_CHUNK = 512
 
 
-def make_beam_decoder(engine, strategy: str, params: SamplingParams, num_beams: int,
+def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams: int,
                       options: dict) -> Decoder:
     """The decoder for strategy ``"beam"`` or ``"dsbd"`` on ``engine``'s oracle (and draft).
 
@@ -70,7 +73,7 @@ def make_beam_decoder(engine, strategy: str, params: SamplingParams, num_beams: 
         if options:
             raise ValueError(f"unknown option(s) {sorted(options)} for strategy 'beam'; known: ['layout']")
         rows, slack = (1, 4 * num_beams + 1) if layout == "tree" else (num_beams, 1)
-        return BeamDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack), params, num_beams,
+        return BeamDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack), sampling, num_beams,
                            layout, slack)
     if strategy != "dsbd":
         raise ValueError(f"make_beam_decoder handles strategies 'beam' and 'dsbd', got {strategy!r}")
@@ -82,7 +85,7 @@ def make_beam_decoder(engine, strategy: str, params: SamplingParams, num_beams: 
     # plus in the tree layout the beams' own suffixes (the cache grows if they outgrow it).
     slack = 1 + cfg.draft_width * cfg.gamma + num_beams + (4 * num_beams if layout == "tree" else 0)
     return DSBDDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack),
-                       _beam_runner(engine.draft, engine.backend, rows, slack), params, cfg, layout, slack)
+                       _beam_runner(engine.draft, engine.backend, rows, slack), sampling, cfg, layout, slack)
 
 
 def dsbd_config(num_beams: int, options: dict) -> DSBDConfig:
@@ -112,10 +115,7 @@ def dsbd_config(num_beams: int, options: dict) -> DSBDConfig:
 def _beam_runner(model: GPT2, backend: Backend, rows: int, extra_slots: int) -> ModelRunner:
     """A runner with ``rows`` cache rows and ``extra_slots`` slots past the context window for
     uncommitted tree entries."""
-    runner = ModelRunner(model, backend, batch=rows)
-    runner.cache = model.new_cache(batch=rows, max_len=model.config.n_positions + extra_slots,
-                                   backend=backend)
-    return runner
+    return ModelRunner(model, backend, batch=rows, max_len=model.config.n_positions + extra_slots)
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,76 +135,40 @@ class RowCache:
         self.shared = 0  # leading slots identical in rows [0, filled)
         self.filled = 1  # rows that hold the shared prefix
 
-    @property
-    def cache(self) -> KVCache:
-        return self.runner.cache
-
     def start(self, prefix: list[int]) -> None:
         """Reset the counters and prefill ``prefix`` into row 0."""
         self.runner.reset()
-        self.length, self.shared, self.filled = 0, 0, 1
-        dev = self.runner.device
+        self.runner.cache.set_committed(1, 0)
         view = self.view(1)
         for i in range(0, len(prefix), PREFILL_CHUNK):
             part = prefix[i:i + PREFILL_CHUNK]
-            ids = torch.tensor([part], dtype=torch.int64, device=dev)
-            pos = torch.arange(view.lengths[0], view.lengths[0] + len(part), device=dev)[None]
-            self.forward(view, ids, pos, None, last_only=True)
+            ids = torch.tensor([part], dtype=torch.int64, device=self.runner.device)
+            pos = torch.arange(view.lengths[0], view.lengths[0] + len(part), device=self.runner.device)[None]
+            self.runner.run(ids, pos, None, last_only=True, cache=view)
             view.advance()
         self.length = self.shared = len(prefix)
-        self._sync(1)
+        self.filled = 1
+        self.runner.cache.set_committed(1, self.length)
 
     def view(self, rows: int) -> KVCache:
-        """A KVCache over rows [0, rows) sharing this cache's storage, nothing pending."""
-        if rows > self.cache.batch:
-            raise ValueError(f"{rows} beams need {rows} cache rows, the cache has {self.cache.batch}")
-        view = copy.copy(self.cache)
-        view.k, view.v = self.cache.k[:, :rows], self.cache.v[:, :rows]  # (L, rows, H, S, D)
-        view.lengths = [self.length] * rows
-        view.pending = 0
-        return view
+        """The first ``rows`` rows as a cache of their own, nothing pending."""
+        return self.runner.cache.view(rows, self.length)
 
     def forward(self, view: KVCache, tokens: torch.Tensor, positions: torch.Tensor,
                 tree_mask: torch.Tensor | None, last_only: bool = False) -> torch.Tensor:
         """One counted model pass over ``view``: tokens, positions (R, N) -> logits (R, N, V)."""
-        runner = self.runner
-        t0 = time.perf_counter()
-        logits = runner.model(tokens, positions, view, tree_mask, last_only)
-        runner.forward_seconds += time.perf_counter() - t0
-        runner.calls += 1
-        runner.nodes += tokens.numel()
-        return logits
+        return self.runner.run(tokens, positions, tree_mask, last_only, cache=view)
 
     def reselect(self, sources: list[int], paths: list[list[int]], pending: int) -> None:
         """Row i <- row sources[i]: its committed slots, then its pending entries ``paths[i]``
         (slot offsets past the committed length, paths[i][0] == 0, all the same length m)
         committed in order. ``pending``: entries written past the committed length. The
         committed length grows by m."""
-        k, v = self.cache.k, self.cache.v  # (L, B, H, S, D)
-        span = self.length + pending
         changed = [i for i, s in enumerate(sources) if s != i]
-        if changed:
-            low = 0 if any(i >= self.filled for i in changed) else self.shared
-            # Copy each source out first (a destination may be another row's source); per-row
-            # copies beat one advanced-index gather/scatter here.
-            saved = {s: (k[:, s, :, low:span].clone(), v[:, s, :, low:span].clone())
-                     for s in {sources[i] for i in changed}}
-            for i in changed:
-                k_src, v_src = saved[sources[i]]
-                k[:, i, :, low:span].copy_(k_src)
-                v[:, i, :, low:span].copy_(v_src)
-        backend = self.cache.backend
-        for row, path in enumerate(paths):
-            if path != list(range(len(path))):
-                backend.commit(k, v, row, self.length, path)
+        low = 0 if any(i >= self.filled for i in changed) else self.shared
+        self.length = self.runner.cache.reselect(sources, paths, self.length, pending, low,
+                                                 self.runner.backend.commit)
         self.filled = max(self.filled, len(sources))
-        self.length += len(paths[0])
-        self._sync(len(sources))
-
-    def _sync(self, rows: int) -> None:
-        """Mirror the bookkeeping in the runner's cache (rows past ``rows`` are unused)."""
-        self.cache.lengths = [self.length] * rows + [0] * (self.cache.batch - rows)
-        self.cache.pending = 0
 
 
 class RowForestLM:
@@ -237,6 +201,9 @@ class RowForestLM:
         """The next round's distinct input beams are ``outputs``: commit, reselect, begin."""
         self.finish(outputs)
         self.begin(outputs)
+
+    def advance(self, beams: Beams, parents: Sequence[int] | None) -> None:
+        self.keep(_distinct(beams.seqs))
 
     def begin(self, inputs: list[Prefix]) -> None:
         """A new round whose distinct input beams sit on rows 0..len(inputs)-1."""
@@ -378,16 +345,8 @@ class TreeLM:
 
     def _ensure(self, slots: int) -> None:
         """Grow the cache (a copy) when the tree outgrows it; rare, amortised."""
-        old = self.cache
-        if slots <= old.max_len:
-            return
-        model = self.runner.model
-        new = model.new_cache(batch=1, max_len=slots + self.slack, backend=old.backend)
-        used = old.lengths[0] + old.pending
-        new.k[:, :, :, :used] = old.k[:, :, :, :used]
-        new.v[:, :, :, :used] = old.v[:, :, :, :used]
-        new.lengths, new.pending = list(old.lengths), old.pending
-        self.runner.cache = new
+        if slots > self.cache.max_len:
+            self.cache.grow(slots + self.slack)
 
     def keep(self, beams: list[Prefix]) -> None:
         """The surviving (distinct, equally long) beams: keep the entries they descend from."""
@@ -404,10 +363,7 @@ class TreeLM:
         while common < shortest and all(key[common] == keys[0][common] for key in keys):
             common += 1
         order = sorted(kept)
-        cache = self.cache
-        length = cache.lengths[0]
-        if order != list(range(len(order))):
-            cache.backend.commit(cache.k, cache.v, 0, length, order)
+        self.cache.compact(order, common, self.runner.backend.commit)
         remap = np.full(len(self.keys), -1, dtype=np.int64)
         remap[order[common:]] = np.arange(len(order) - common)
         keys_new, anc_new, dist_new = [], [], {}
@@ -420,9 +376,38 @@ class TreeLM:
         self.keys, self.ancestors, self.dist = keys_new, anc_new, dist_new
         self.entries = {key: i for i, key in enumerate(keys_new)}
         self.base += common
-        cache.lengths = [length + common]
-        cache.pending = len(keys_new)
-        self.peak_pending = max(self.peak_pending, cache.pending)
+        self.peak_pending = max(self.peak_pending, self.cache.pending)
+
+    def advance(self, beams: Beams, parents: Sequence[int] | None) -> None:
+        self.keep(_distinct(beams.seqs))
+
+
+class RowBeamLM:
+    """Beam sampling in the ``rows`` layout as a ``BeamLM``: one cache row per beam slot,
+    duplicates included; each step is one pass of one token per row, then every row takes its
+    parent's row (``reselect``) with that token committed."""
+
+    def __init__(self, rows: RowCache, params: SamplingParams) -> None:
+        self.rows = rows
+        self.params = params
+        self.view: KVCache | None = None
+
+    def start(self, prompt: list[int]) -> None:
+        """Prefill all of ``prompt`` but its last token, which starts the first beam."""
+        self.rows.start(prompt[:-1])
+
+    def probs(self, prefixes: Sequence[Prefix]) -> torch.Tensor:
+        n, dev = len(prefixes), self.rows.runner.device
+        self.view = self.rows.view(n)
+        tokens = torch.tensor([[s[-1]] for s in prefixes], dtype=torch.int64, device=dev)
+        positions = torch.full((n, 1), self.rows.length, dtype=torch.int64, device=dev)
+        logits = self.rows.forward(self.view, tokens, positions, None)[:, 0]  # (n, V)
+        return processed_probs(logits, self.params).double().cpu()
+
+    def advance(self, beams: Beams, parents: Sequence[int] | None) -> None:
+        if parents is None:
+            raise ValueError("the rows layout of beam sampling needs each beam's parent slot")
+        self.rows.reselect(list(parents), [[0]] * len(parents), self.view.pending)
 
 
 def _distinct(seqs: list[Prefix]) -> list[Prefix]:
@@ -433,49 +418,77 @@ def _generator(params: SamplingParams) -> TorchRandom:
     return TorchRandom(torch.Generator().manual_seed(params.seed if params.seed is not None else 0))
 
 
+def _common_prefix(seqs: list[Prefix]) -> int:
+    first, n = seqs[0], min(len(s) for s in seqs)
+    i = 0
+    while i < n and all(s[i] == first[i] for s in seqs):
+        i += 1
+    return i
+
+
 # --------------------------------------------------------------------------------------------
 # Decoders
 # --------------------------------------------------------------------------------------------
 class _BeamBase(Decoder):
-    """Shared by both: the oracle's beam LM, the final beams and their stats."""
+    """Shared by both: the oracle's beam LM, the core's run (one step per round), streaming of
+    the tokens every live beam shares, and the stats."""
 
-    def __init__(self, oracle: ModelRunner, params: SamplingParams, width: int, layout: str,
+    def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, width: int, layout: str,
                  slack: int) -> None:
-        super().__init__(oracle, params, None)
+        super().__init__(oracle, sampling)
+        self.params = sampling.params
         self.width = width
         self.layout = layout
-        self.oracle_lm = _beam_lm(oracle, params, layout, slack)
+        self.oracle_lm = _beam_lm(oracle, self.params, layout, slack, beam_sampling=self.name == "beam")
         self.prompt: list[int] = []
-        self.final: Beams | None = None
-        self.stats: dict = {}
-        self._view: KVCache | None = None  # rows layout: the rows of the current beam step
+        self.run: BeamSampling | DSBDRun | None = None
+        self.emitted = 0  # tokens of the best final beam already returned
 
     def start(self, prompt: list[int]) -> None:
         self.prompt = list(prompt)
         self.oracle_lm.start(self.prompt)
         self.accepted_lengths = []
-        self.final = None
-        self.stats = {}
+        self.run = None
+        self.emitted = 0
 
-    def _best_tokens(self, beams: Beams) -> list[int]:
-        self.final = beams
-        return list(beams.seqs[beams.best()][1:])
+    def _make_run(self, steps: int) -> BeamSampling | DSBDRun:
+        raise NotImplementedError
+
+    def round(self, remaining: int) -> list[int]:
+        """One step of the run (one oracle pass). Returns the new tokens that every live beam
+        shares (possibly none); once the run is over, the rest of the best beam. The first call
+        fixes the generation's length at ``remaining`` tokens per beam."""
+        if self.run is None:
+            self.run = self._make_run(remaining)
+        self.accepted_lengths.append(self.run.step())
+        beams = self.run.beams
+        if self.run.finished:
+            fixed = list(beams.seqs[beams.best()][1:])
+        else:  # sequences start at the prompt's last token
+            fixed = list(beams.seqs[0][1:_common_prefix(beams.seqs)])
+        new, self.emitted = fixed[self.emitted:], max(self.emitted, len(fixed))
+        return new
 
     def extra_stats(self) -> dict:
         """Beam statistics for ``res.stats``: final beams (generated tokens) and their oracle
         log-scores, the best beam's index, widths per layer, cache footprint and counters."""
-        out = {"num_beams": self.width, "layout": self.layout, **self.stats,
+        out = {"num_beams": self.width, "layout": self.layout,
                "oracle_cache_rows": self.oracle.cache.batch,
                "oracle_cache_bytes": self.oracle.cache.nbytes}
-        if self.final is not None:
-            out["beam_scores"] = [float(x) for x in self.final.log_p]
-            out["beam_token_ids"] = [list(s[1:]) for s in self.final.seqs]
-            out["best_beam"] = self.final.best()
+        if self.run is not None:
+            beams = self.run.beams
+            out["beam_scores"] = [float(x) for x in beams.log_p]
+            out["beam_token_ids"] = [list(s[1:]) for s in beams.seqs]
+            out["best_beam"] = beams.best()
+        if self.layout == "tree":
+            out["oracle_tree_peak"] = self.oracle_lm.peak_pending  # entries kept between rounds
         return out
 
 
-def _beam_lm(runner: ModelRunner, params: SamplingParams, layout: str, slack: int):
-    return TreeLM(runner, params, slack) if layout == "tree" else RowForestLM(RowCache(runner), params)
+def _beam_lm(runner: ModelRunner, params: SamplingParams, layout: str, slack: int, beam_sampling: bool = False):
+    if layout == "tree":
+        return TreeLM(runner, params, slack)
+    return RowBeamLM(RowCache(runner), params) if beam_sampling else RowForestLM(RowCache(runner), params)
 
 
 class BeamDecoder(_BeamBase):
@@ -483,41 +496,14 @@ class BeamDecoder(_BeamBase):
 
     name = "beam"
 
-    def round(self, remaining: int) -> list[int]:
-        """The whole generation: ``remaining`` steps; returns the best beam's tokens."""
-        source = _generator(self.params)
-        beams = Beams.start(self.prompt[-1:])
-        step_fn = self._step_tree if self.layout == "tree" else self._step_rows
-        for step in range(remaining):
-            cond = step_fn(beams)  # (n, V) float64 at the n current beams
-            draws = source.categorical(beam_joint(beams.log_p, cond), self.width)
-            beams = extend(beams, cond, cond, draws)
-            if step + 1 < remaining:
-                self._advance(beams, [c // cond.shape[1] for c in draws])
-        self.accepted_lengths = [1] * remaining
-        self.stats = {"beam_widths": [self.width] * remaining}
-        if self.layout == "tree":
-            self.stats["oracle_tree_peak"] = self.oracle_lm.peak_pending  # entries kept between steps
-        return self._best_tokens(beams)
+    def _make_run(self, steps: int) -> BeamSampling:
+        return BeamSampling(self.oracle_lm, self.prompt[-1:], self.width, steps, _generator(self.params))
 
-    def _step_tree(self, beams: Beams) -> torch.Tensor:
-        return self.oracle_lm.probs(beams.seqs)  # one pass over the distinct beams
-
-    def _step_rows(self, beams: Beams) -> torch.Tensor:
-        """One pass over one cache row per beam slot (duplicates included)."""
-        rows = self.oracle_lm.rows
-        n, dev = len(beams.seqs), self.oracle.device
-        self._view = rows.view(n)
-        tokens = torch.tensor([[s[-1]] for s in beams.seqs], dtype=torch.int64, device=dev)
-        positions = torch.full((n, 1), rows.length, dtype=torch.int64, device=dev)
-        logits = rows.forward(self._view, tokens, positions, None)[:, 0]  # (n, V)
-        return processed_probs(logits, self.params).double().cpu()
-
-    def _advance(self, beams: Beams, parents: list[int]) -> None:
-        if self.layout == "tree":
-            self.oracle_lm.keep(_distinct(beams.seqs))
-        else:  # row i <- the row of beam i's parent, with the parent's token committed
-            self.oracle_lm.rows.reselect(parents, [[0]] * len(parents), self._view.pending)
+    def extra_stats(self) -> dict:
+        out = super().extra_stats()
+        if self.run is not None:
+            out["beam_widths"] = list(self.run.widths)
+        return out
 
 
 class DSBDDecoder(_BeamBase):
@@ -525,11 +511,11 @@ class DSBDDecoder(_BeamBase):
 
     name = "dsbd"
 
-    def __init__(self, oracle: ModelRunner, draft: ModelRunner, params: SamplingParams,
+    def __init__(self, oracle: ModelRunner, draft: ModelRunner, sampling: SamplingConfig,
                  cfg: DSBDConfig, layout: str, slack: int) -> None:
-        super().__init__(oracle, params, cfg.width, layout, slack)
+        super().__init__(oracle, sampling, cfg.width, layout, slack)
         self.draft = draft
-        self.draft_lm = _beam_lm(draft, params, layout, slack)
+        self.draft_lm = _beam_lm(draft, self.params, layout, slack)
         self.cfg = cfg
 
     def start(self, prompt: list[int]) -> None:
@@ -543,31 +529,19 @@ class DSBDDecoder(_BeamBase):
         return self.draft.forward_seconds
 
     def draft_weight_bytes(self) -> int:
-        model = self.draft.model
-        return self.draft.calls * model.config.weight_bytes_fp32 * model.wte.weight.element_size() // 4
+        return self.draft.calls * self.draft.model.weight_bytes()
 
-    def round(self, remaining: int) -> list[int]:
-        """The whole generation: rounds until ``remaining`` layers; returns the best beam's tokens."""
-        cfg, source = self.cfg, _generator(self.params)
-        oracle_lm, draft_lm = self.oracle_lm, self.draft_lm
-        core: dict = {"rounds": 0, "oracle_calls": 0, "oracle_rows": 0, "draft_calls": 0,
-                      "widths": [], "drafted": [], "accepted": [], "input_beams": []}
-        beams, done = Beams.start(self.prompt[-1:]), 0
-        while done < remaining:
-            core["rounds"] += 1
-            core["input_beams"].append(len(beams.seqs))
-            beams, advanced = dsbd_round(oracle_lm, draft_lm, beams, remaining - done, cfg, source, core)
-            done += advanced
-            self.accepted_lengths.append(advanced)
-            if done < remaining:
-                if cfg.memory_mode:
-                    beams = beams.select([beams.best()])
-                outputs = _distinct(beams.seqs)
-                oracle_lm.keep(outputs)
-                draft_lm.keep(outputs)
+    def _make_run(self, steps: int) -> DSBDRun:
+        return DSBDRun(self.oracle_lm, self.draft_lm, self.prompt[-1:], steps, _generator(self.params), self.cfg)
+
+    def extra_stats(self) -> dict:
+        out = super().extra_stats()
+        if self.run is None:
+            return out
+        cfg, core = self.cfg, self.run.stats
         # Slots drafts could fill: a layer takes at most its width of them.
         fillable = sum(min(d, w) for d, w in zip(core["drafted"], core["widths"]))
-        self.stats = {
+        out.update({
             "dsbd_options": {"gamma": cfg.gamma, "draft_width": cfg.draft_width,
                              "threshold": cfg.threshold, "w_min": cfg.w_min,
                              "dynamic": cfg.dynamic, "memory_mode": cfg.memory_mode},
@@ -577,11 +551,9 @@ class DSBDDecoder(_BeamBase):
             "beams_accepted": core["accepted"],  # drafts accepted per layer
             "draft_acceptance": sum(core["accepted"]) / fillable if fillable else 0.0,
             "input_beams": core["input_beams"],  # beams fed to each round
-            "oracle_forest_nodes": oracle_lm.nodes,  # nodes the oracle evaluated
-            "oracle_batch_tokens": oracle_lm.batch_tokens,  # rows x nodes, padding included
-            "draft_batch_tokens": draft_lm.batch_tokens,
+            "oracle_forest_nodes": self.oracle_lm.nodes,  # nodes the oracle evaluated
+            "oracle_batch_tokens": self.oracle_lm.batch_tokens,  # rows x nodes, padding included
+            "draft_batch_tokens": self.draft_lm.batch_tokens,
             "draft_cache_rows": self.draft.cache.batch,
-        }
-        if self.layout == "tree":
-            self.stats["oracle_tree_peak"] = oracle_lm.peak_pending  # entries kept between rounds
-        return self._best_tokens(beams)
+        })
+        return out

@@ -14,9 +14,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .backend import Backend, TorchBackend
-from .config import GPT2Config
-from .kv_cache import KVCache
+from staged_engine.model.backend import Backend, TorchBackend
+from staged_engine.model.config import GPT2Config
+from staged_engine.model.kv_cache import KVCache
+
+_default: list[Backend] = []
+
+
+def default_backend() -> Backend:
+    """The kernels of a bare model call (no runner): ``TorchBackend()``, made on first use."""
+    if not _default:
+        _default.append(TorchBackend())
+    return _default[0]
 
 
 def _activation_kind(name: str) -> str:
@@ -82,6 +91,10 @@ class GPT2(nn.Module):
                           for b in self.h]
         return self._flat
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward pass reads at the model's dtype (LM head tied)."""
+        return self.config.weight_bytes_fp32 * self.wte.weight.element_size() // 4
+
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
         std_proj = 0.02 / (2 * self.config.n_layer) ** 0.5
@@ -92,33 +105,32 @@ class GPT2(nn.Module):
                 std = std_proj if name.endswith("c_proj.weight") else 0.02
                 p.data.normal_(0.0, std, generator=generator)
 
-    def new_cache(self, batch: int = 1, max_len: int | None = None,
-                  backend: Backend | None = None) -> KVCache:
+    def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         c = self.config
         return KVCache(c.n_layer, batch, c.n_head, max_len or c.n_positions, c.head_dim,
-                       self.wte.weight.dtype, self.wte.weight.device, backend or TorchBackend())
+                       self.wte.weight.dtype, self.wte.weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                tree_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, last_only: bool = False,
+                backend: Backend | None = None) -> torch.Tensor:
         """Logits for N new tokens per row; their K/V become pending cache entries.
 
         tokens, positions: (B, N) int64. With P entries already pending, the new tokens go to
         slots [cache.lengths[b] + P, + N). tree_mask: None (the P + N uncommitted entries are one
         chain) or bool (N, P + N) / (B, N, P + N), mask[i, j] = entry j is token i's ancestor
         or itself. Returns (B, N, V) logits in the model dtype, or (B, 1, V) with last_only.
+        ``backend``: the kernels (the runner's; ``default_backend()`` when None).
         """
-        cfg, be = self.config, cache.backend
+        cfg, be = self.config, backend or default_backend()
         b, n = tokens.shape
-        starts = cache.lengths
-        writes = cache.write_starts(n)
         m = cache.pending + n
         if tree_mask is not None and tuple(tree_mask.shape[-2:]) != (n, m):
             raise ValueError(f"tree_mask must be ({n}, {m}) for {n} new tokens after {cache.pending} "
                              f"pending entries, got {tuple(tree_mask.shape)}")
+        writes, starts, m = cache.append(n)
         logits = be.forward_model(self, tokens, positions, cache.k, cache.v, writes, starts, m, tree_mask,
                                   last_only)
         if logits is not None:  # the whole pass in one native call
-            cache.pending = m
             return logits
         c, eps = (cfg.n_embd,), cfg.layer_norm_epsilon
         x = F.embedding(tokens, self.wte.weight) + F.embedding(positions, self.wpe.weight)  # (B, N, C)
@@ -133,7 +145,6 @@ class GPT2(nn.Module):
             h = F.layer_norm(x, c, ln2w, ln2b, eps)
             h = self.act(be.linear(h, fcw, fcb))  # (B, N, 4C)
             x = x + be.linear(h, mpw, mpb)
-        cache.pending = m
         if last_only:
             x = x[:, -1:]
         x = F.layer_norm(x, (cfg.n_embd,), self.ln_f.weight, self.ln_f.bias, cfg.layer_norm_epsilon)

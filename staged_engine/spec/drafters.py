@@ -11,15 +11,14 @@ oracle decides what is emitted, so nothing here can change the output.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .runner import ModelRunner
-from .sampling import NoiseTable, SamplingParams, perturbed_logprobs, perturbed_top
-from .tree import Tree
+from staged_engine.model.runner import ModelRunner
+from staged_engine.sampling import SamplingConfig, perturbed_logprobs, perturbed_top
+from staged_engine.spec.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,17 @@ class TreeShape:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """What drafting hands to verification (as vLLM's spec-decode metadata does): the oracle's
+    tree, the draft-tree node behind each of its nodes, and the draft cache entry of every
+    draft-tree node (-1: not evaluated), which ``ModelDrafter.accept`` keeps or drops."""
+
+    tree: Tree
+    draft_nodes: list[int]
+    slots: list[int]
 
 
 # An n-gram table is shared by every generation of an Engine, and ngram_learn writes to it:
@@ -106,11 +116,10 @@ class _Slots:
 class ModelDrafter:
     """A draft model that builds trees best-first; optionally sped up by an inner drafter."""
 
-    def __init__(self, runner: ModelRunner, params: SamplingParams, noise: NoiseTable | None,
+    def __init__(self, runner: ModelRunner, sampling: SamplingConfig,
                  shape: TreeShape, inner: "NGramDrafter | ModelDrafter | None" = None) -> None:
         self.runner = runner
-        self.params = params
-        self.noise = noise
+        self.sampling = sampling
         self.shape = shape
         self.inner = inner
         self.unseen: list[int] = []  # accepted tokens the draft has not processed; last = root
@@ -143,8 +152,7 @@ class ModelDrafter:
 
     def weight_bytes_read(self) -> int:
         """Weight bytes this drafter and its inner stages read so far."""
-        own = self.runner.calls * self.runner.model.config.weight_bytes_fp32 \
-            * self.runner.model.wte.weight.element_size() // 4
+        own = self.runner.calls * self.runner.model.weight_bytes()
         if isinstance(self.inner, ModelDrafter):
             own += self.inner.weight_bytes_read()
         return own
@@ -157,33 +165,29 @@ class ModelDrafter:
         softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses).
         """
         k = min(self.shape.children, logits.shape[-1])
-        sparse = perturbed_top(logits, positions, self.params, self.noise)
+        sparse = perturbed_top(logits, positions, self.sampling.params, self.sampling.noise)
         if sparse is not None:  # top-k sampling: only the kept tokens can be children
             ids, scores = sparse
             vals, order = torch.topk(torch.log_softmax(scores, dim=-1), min(k, ids.shape[-1]), dim=-1)
             return ids.gather(-1, order).tolist(), vals.tolist()
-        scores = perturbed_logprobs(logits, positions, self.params, self.noise)
-        idx, vals = self.runner.cache.backend.top_children(scores, k)
+        scores = perturbed_logprobs(logits, positions, self.sampling.params, self.sampling.noise)
+        idx, vals = self.runner.backend.top_children(scores, k)
         return idx.tolist(), vals.tolist()
 
     # ----------------------------------------------------------------- tree building
-    def build(self, root_position: int, budget: int, max_depth: int) -> tuple[Tree, list[int], dict]:
-        """Build the oracle's tree for this round.
-
-        Returns the tree (topological order, at most ``budget`` nodes, depth <= max_depth), the
-        draft-tree node of each oracle node, and this round's bookkeeping for ``accept``.
-        """
+    def build(self, root_position: int, budget: int, max_depth: int) -> DraftRound:
+        """Build the oracle's tree for this round: at most ``budget`` nodes in topological
+        order, depth <= max_depth (a lone root when nothing is worth drafting)."""
         runner = self.runner
         tree = Tree(self.unseen[-1])
         logscore = [0.0]  # log of the cumulative draft probability
         slot = [-1]  # pending cache entry of an evaluated node, -1 if not evaluated
-        state = {"slot": slot}
         slots = _Slots()
         base = runner.length  # committed draft tokens; the unseen tokens go right after
         room = min(runner.max_len, runner.model.config.n_positions) - base  # pending entries allowed
         max_depth = min(max_depth, room - len(self.unseen))
         if max_depth <= 0 or budget <= 1:
-            return Tree(tree.tokens[0]), [0], state
+            return DraftRound(Tree(tree.tokens[0]), [0], slot)
         frontier = {0}
         for _ in range(budget + max_depth):  # a hard cap; the threshold test ends it sooner
             cand = self._pick(frontier, tree, logscore, budget, max_depth)
@@ -235,7 +239,7 @@ class ModelDrafter:
         out = Tree(tree.tokens[0])
         for old in keep[1:]:
             out.add(new_index[tree.parents[old]], tree.tokens[old])
-        return out, keep, state
+        return DraftRound(out, keep, slot)
 
     def _hang_mini_tree(self, tree: Tree, expand_rows: list[tuple[int, int]], tokens: list[int],
                         positions: list[int],
@@ -310,10 +314,11 @@ class ModelDrafter:
         return out[::-1]
 
     # ----------------------------------------------------------------- after verification
-    def accept(self, state: dict, draft_nodes: list[int], emitted: list[int]) -> None:
-        """Sync with the oracle: ``draft_nodes`` is the accepted path as draft-tree nodes (root
-        first), ``emitted`` the new tokens (path tokens after the root, then the bonus)."""
-        slot = state["slot"]
+    def accept(self, draft: DraftRound, path: list[int], emitted: list[int]) -> None:
+        """Sync with the oracle: ``path`` is the accepted path of ``draft.tree`` (root first),
+        ``emitted`` the new tokens (path tokens after the root, then the bonus)."""
+        slot = draft.slots
+        draft_nodes = [draft.draft_nodes[n] for n in path]
         evaluated = 0
         while evaluated < len(draft_nodes) and slot[draft_nodes[evaluated]] >= 0:
             evaluated += 1
@@ -339,7 +344,7 @@ class ModelDrafter:
         saved = self.unseen
         self.unseen = saved + context[n:]
         try:
-            tree, _, _ = self.build(len(context) - 1, self.shape.budget, self.shape.max_depth)
+            tree = self.build(len(context) - 1, self.shape.budget, self.shape.max_depth).tree
         finally:
             self.runner.discard()
             self.unseen = saved

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 import time
 
-from .drafters import ModelDrafter, TreeShape
-from .runner import ModelRunner
-from .sampling import NoiseTable, SamplingParams
+from staged_engine.spec.drafters import ModelDrafter, TreeShape
+from staged_engine.model.runner import ModelRunner
+from staged_engine.sampling import SamplingConfig
+from staged_engine.spec.verify import choose_one, verify
 
 
 class Decoder:
@@ -20,10 +21,9 @@ class Decoder:
 
     name = "base"
 
-    def __init__(self, oracle: ModelRunner, params: SamplingParams, noise: NoiseTable | None) -> None:
+    def __init__(self, oracle: ModelRunner, sampling: SamplingConfig) -> None:
         self.oracle = oracle
-        self.params = params
-        self.noise = noise
+        self.sampling = sampling
         self.root = -1  # the last accepted token, not yet seen by the oracle
         self.accepted_lengths: list[int] = []  # tokens emitted per round
 
@@ -47,6 +47,10 @@ class Decoder:
         """Bytes of draft weights read over the generation (for relative memory traffic)."""
         return 0
 
+    def extra_stats(self) -> dict:
+        """Strategy-specific statistics merged into the generation's stats."""
+        return {}
+
 
 class PlainDecoder(Decoder):
     """One oracle pass per token: the reference every other strategy must reproduce."""
@@ -56,7 +60,7 @@ class PlainDecoder(Decoder):
     def round(self, remaining: int) -> list[int]:
         position = self.oracle.length + 1  # where the chosen token will sit
         logits = self.oracle.step(self.root)
-        token = self.oracle.cache.backend.choose_one(logits, position, self.params, self.noise)
+        token = choose_one(self.oracle.backend, logits, position, self.sampling)
         self.root = token
         self.accepted_lengths.append(1)
         return [token]
@@ -69,9 +73,9 @@ class SpeculativeDecoder(Decoder):
     the one rule of ALGORITHMS.md sec. 4 (``tree.walk`` with ``choose`` at every node).
     """
 
-    def __init__(self, oracle: ModelRunner, params: SamplingParams, noise: NoiseTable | None,
-                 drafter: "ModelDrafter", name: str, adaptive: bool = False) -> None:
-        super().__init__(oracle, params, noise)
+    def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, drafter: ModelDrafter, name: str,
+                 adaptive: bool = False) -> None:
+        super().__init__(oracle, sampling)
         self.drafter = drafter
         self.name = name
         self.adaptive = adaptive
@@ -112,20 +116,21 @@ class SpeculativeDecoder(Decoder):
         # A node at depth d emits a token at position root + d + 1, which must stay in the window.
         max_depth = min(max_depth, remaining - 1, n_ctx - 1 - root_position - 1)
         budget = min(budget, n_ctx - root_position)
-        tree, draft_nodes, state = self.drafter.build(root_position, budget, max_depth)
+        draft = self.drafter.build(root_position, budget, max_depth)
+        tree = draft.tree
         if len(tree) == 1:  # nothing drafted (a plain step of the depth controller): the plain path
             logits = oracle.step(self.root)
-            emitted = [oracle.cache.backend.choose_one(logits, root_position + 1, self.params, self.noise)]
-            self.drafter.accept(state, [0], emitted)
+            emitted = [choose_one(oracle.backend, logits, root_position + 1, self.sampling)]
+            self.drafter.accept(draft, [0], emitted)
             self.root = emitted[-1]
             self.accepted_lengths.append(1)
             return emitted
         positions = [root_position + d for d in tree.depths]
         mask = None if tree.is_chain() else tree.ancestor_mask(oracle.device)
         logits = oracle.forward_nodes(tree.tokens, positions, mask)  # (N, V)
-        path, emitted = oracle.cache.backend.verify(tree, logits, positions, self.params, self.noise)
+        path, emitted = verify(oracle.backend, tree, logits, positions, self.sampling)
         oracle.commit(path)
-        self.drafter.accept(state, [draft_nodes[n] for n in path], emitted)
+        self.drafter.accept(draft, path, emitted)
         self.root = emitted[-1]
         self.accepted_lengths.append(len(emitted))
         return emitted

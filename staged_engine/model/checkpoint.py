@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from .config import GPT2Config
-from .model import GPT2
+from staged_engine.model.config import GPT2Config
+from staged_engine.model.gpt2 import GPT2
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _IGNORED_SUFFIXES = ("attn.bias", "attn.masked_bias")  # causal-mask buffers of old HF versions

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
+import subprocess
 import sys
 
 BENCHES = {
@@ -32,12 +32,8 @@ def _run(args: argparse.Namespace) -> int:
     if not os.path.isfile(script):
         raise FileNotFoundError(f"{script} not found: benchmarks run from a source checkout "
                                 "(pip install --no-build-isolation -e .)")
-    sys.argv = [script] + args.rest
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
+    # A child interpreter: the script's own folder is its first import path (bench/common.py).
+    return subprocess.call([sys.executable, script, *args.rest])
 
 
 def register_cli(subparsers) -> None:

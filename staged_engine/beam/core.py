@@ -312,6 +312,18 @@ class BeamLM(Protocol):
         """(len(prefixes), V) float64: p'(. | prefix) for each prefix (one forward pass)."""
         ...
 
+    def advance(self, beams: "Beams", parents: Sequence[int] | None) -> None:
+        """The next step's (or round's) input beams, and for a beam-sampling step the slot each
+        came from (None for a DSBD round): a model with a KV cache keeps what they descend from."""
+        ...
+
+
+class CachelessLM:
+    """Base of a BeamLM without a cache: nothing to keep between steps."""
+
+    def advance(self, beams: "Beams", parents: Sequence[int] | None) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class Beams:
@@ -364,6 +376,44 @@ class BeamResult:
     stats: dict = field(default_factory=dict)
 
 
+class BeamSampling:
+    """Beam sampling, one step (one oracle pass) per ``step()``: W candidates i.i.d. from
+    p_beam. ``beam_sample`` runs it to the end; the engine's ``beam`` strategy runs the very
+    same object one step per round. ``width_rule(seqs, p_beam)``, if given, picks each step's width."""
+
+    def __init__(self, lm: BeamLM, prompt: Sequence[int], width: int, steps: int, rng: Rng,
+                 width_rule: WidthRule | None = None) -> None:
+        _check_run(prompt, width, steps)
+        self.lm, self.width, self.steps, self.width_rule = lm, width, steps, width_rule
+        self.source = as_random(rng)
+        self.beams = Beams.start(prompt)
+        self.done = 0
+        self.widths: list[int] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.steps
+
+    def step(self) -> int:
+        """One step; returns the layers it advanced (1)."""
+        if self.finished:
+            raise ValueError("beam sampling has run all its steps")
+        cond = self.lm.probs(self.beams.seqs)  # (W, V)
+        p_beam = beam_joint(self.beams.log_p, cond)
+        w = self.width if self.width_rule is None else self.width_rule(self.beams.seqs, p_beam)
+        self.widths.append(w)
+        draws = self.source.categorical(p_beam, w)
+        self.beams = extend(self.beams, cond, cond, draws)
+        self.done += 1
+        if not self.finished:
+            self.lm.advance(self.beams, [c // cond.shape[1] for c in draws])
+        return 1
+
+    def result(self) -> BeamResult:
+        return BeamResult(self.beams.seqs, self.beams.log_p, self.beams.seqs[self.beams.best()],
+                          {"oracle_calls": self.done, "widths": self.widths})
+
+
 def beam_sample(
     lm: BeamLM,
     prompt: Sequence[int],
@@ -372,20 +422,11 @@ def beam_sample(
     rng: Rng,
     width_rule: WidthRule | None = None,
 ) -> BeamResult:
-    """Reference beam sampling: ``steps`` times draw ``width`` candidates i.i.d. from p_beam.
-    ``width_rule(seqs, p_beam)``, if given, picks each step's width from the current beams."""
-    _check_run(prompt, width, steps)
-    source = as_random(rng)
-    beams = Beams.start(prompt)
-    widths = []
-    for _ in range(steps):
-        cond = lm.probs(beams.seqs)  # (W, V)
-        p_beam = beam_joint(beams.log_p, cond)
-        w = width if width_rule is None else width_rule(beams.seqs, p_beam)
-        widths.append(w)
-        beams = extend(beams, cond, cond, source.categorical(p_beam, w))
-    best = beams.seqs[beams.best()]
-    return BeamResult(beams.seqs, beams.log_p, best, {"oracle_calls": steps, "widths": widths})
+    """Reference beam sampling: ``steps`` times draw ``width`` candidates i.i.d. from p_beam."""
+    run = BeamSampling(lm, prompt, width, steps, rng, width_rule)
+    while not run.finished:
+        run.step()
+    return run.result()
 
 
 def draft_log_scores(draft_lm: BeamLM, seqs: Sequence[Prefix], start: int) -> Tensor:
@@ -550,6 +591,48 @@ def dsbd_round(
     return beams, min(len(forest.layers) + 1, layers_left)
 
 
+class DSBDRun:
+    """DSBD, one round (one oracle pass) per ``step()``. ``dsbd_generate`` runs it to the end;
+    the engine's ``dsbd`` strategy runs the very same object one round per call. stats: rounds,
+    oracle_calls (one per round), oracle_rows (forest nodes the oracle evaluated), draft_calls;
+    per output layer ``widths``, ``drafted`` (drafts whose parent survived, i.e. the candidates
+    open to verification) and ``accepted``; ``input_beams`` per round."""
+
+    def __init__(self, oracle: BeamLM, draft: BeamLM, prompt: Sequence[int], steps: int, rng: Rng,
+                 cfg: DSBDConfig = DSBDConfig()) -> None:
+        _check_run(prompt, cfg.width, steps)
+        self.oracle, self.draft, self.steps, self.cfg = oracle, draft, steps, cfg
+        self.source = as_random(rng)
+        self.beams = Beams.start(prompt)
+        self.done = 0
+        self.stats: dict = {"rounds": 0, "oracle_calls": 0, "oracle_rows": 0, "draft_calls": 0,
+                            "widths": [], "drafted": [], "accepted": [], "input_beams": []}
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.steps
+
+    def step(self) -> int:
+        """One round; returns the layers (tokens per beam) it advanced."""
+        if self.finished:
+            raise ValueError("DSBD has run all its steps")
+        self.stats["rounds"] += 1
+        self.stats["input_beams"].append(len(self.beams.seqs))
+        beams, advanced = dsbd_round(self.oracle, self.draft, self.beams, self.steps - self.done, self.cfg,
+                                     self.source, self.stats)
+        self.done += advanced
+        if not self.finished:
+            if self.cfg.memory_mode:  # the paper's approximation: only the best beam goes on
+                beams = beams.select([beams.best()])
+            self.oracle.advance(beams, None)
+            self.draft.advance(beams, None)
+        self.beams = beams
+        return advanced
+
+    def result(self) -> BeamResult:
+        return BeamResult(self.beams.seqs, self.beams.log_p, self.beams.seqs[self.beams.best()], self.stats)
+
+
 def dsbd_generate(
     oracle: BeamLM,
     draft: BeamLM,
@@ -558,24 +641,12 @@ def dsbd_generate(
     rng: Rng,
     cfg: DSBDConfig = DSBDConfig(),
 ) -> BeamResult:
-    """DSBD for ``steps`` tokens per beam. Returns the final beams, their oracle log-scores and
-    the best beam. stats: rounds, oracle_calls (one per round), oracle_rows (forest nodes the
-    oracle evaluated), draft_calls; per output layer (``steps`` entries) ``widths``, ``drafted``
-    (drafts whose parent survived, i.e. the candidates open to verification) and ``accepted``;
-    ``input_beams`` per round."""
-    _check_run(prompt, cfg.width, steps)
-    source = as_random(rng)
-    stats: dict = {"rounds": 0, "oracle_calls": 0, "oracle_rows": 0, "draft_calls": 0,
-                   "widths": [], "drafted": [], "accepted": [], "input_beams": []}
-    beams, done = Beams.start(prompt), 0
-    while done < steps:
-        if cfg.memory_mode:
-            beams = beams.select([beams.best()])
-        stats["rounds"] += 1
-        stats["input_beams"].append(len(beams.seqs))
-        beams, advanced = dsbd_round(oracle, draft, beams, steps - done, cfg, source, stats)
-        done += advanced
-    return BeamResult(beams.seqs, beams.log_p, beams.seqs[beams.best()], stats)
+    """DSBD for ``steps`` tokens per beam. Returns the final beams, their oracle log-scores, the
+    best beam and ``DSBDRun``'s stats."""
+    run = DSBDRun(oracle, draft, prompt, steps, rng, cfg)
+    while not run.finished:
+        run.step()
+    return run.result()
 
 
 def _check_run(prompt: Sequence[int], width: int, steps: int) -> None:

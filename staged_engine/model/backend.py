@@ -21,11 +21,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .sampling import NoiseTable, SamplingParams, choose, noise_key
-from .tree import Tree, walk
+from staged_engine.model.kv_cache import move_entries
+
 
 try:
-    from . import _cpu
+    from staged_engine import _cpu
 except ImportError:  # the C++ extension is not built: pure torch, same results up to rounding
     _cpu = None
 
@@ -68,25 +68,6 @@ class Backend:
         (ids (N, k) int64, log r (N, k) float32), best first. Drafters rank children with it."""
         vals, idx = torch.topk(torch.log_softmax(scores.float(), dim=-1), k, dim=-1)
         return idx, vals
-
-    def choose_one(self, logits: torch.Tensor, position: int, params: SamplingParams,
-                   noise: NoiseTable | None) -> int:
-        """The oracle's choice for the token at ``position`` from (V,) logits."""
-        return int(choose(logits[None], [position], params, noise)[0])
-
-    def verify(self, tree: Tree, logits: torch.Tensor, positions: list[int], params: SamplingParams,
-               noise: NoiseTable | None) -> tuple[list[int], list[int]]:
-        """ALGORITHMS.md sec. 4 over (N, V) oracle logits of ``tree`` (node i at positions[i]).
-
-        Returns the accepted path (root first) and the emitted tokens (path tokens, then bonus).
-        """
-        if params.greedy:
-            choices = logits.argmax(dim=-1).tolist()
-            return walk(tree, choices.__getitem__)
-
-        def choice_at(node: int) -> int:  # lazily: only the nodes the walk reaches
-            return int(choose(logits[node:node + 1], [positions[node] + 1], params, noise)[0])
-        return walk(tree, choice_at)
 
 
 def chain_mask(n: int, m: int, device) -> torch.Tensor:
@@ -234,10 +215,7 @@ class TorchBackend(Backend):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
     def commit(self, k, v, row, start, path):
-        src = torch.tensor(path, device=k.device) + start
-        dst = slice(start, start + len(path))
-        k[:, row, :, dst] = k[:, row, :, src]  # advanced indexing on the right copies first
-        v[:, row, :, dst] = v[:, row, :, src]
+        move_entries(k, v, row, start, path)
 
 
 class TritonBackend(Backend):
@@ -246,15 +224,11 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels import kv_cache as kv_kernels  # noqa: PLC0415 (optional dependency)
-        from kernels import tree_attention as attn_kernels  # noqa: PLC0415
+        from staged_engine.kernels import kv_cache as kv_kernels  # noqa: PLC0415 (optional dependency)
+        from staged_engine.kernels import tree_attention as attn_kernels  # noqa: PLC0415
 
         self._kv = kv_kernels
         self._attn = attn_kernels
-
-        from kernels import verify as verify_kernels  # noqa: PLC0415
-
-        self._verify = verify_kernels
 
     def _starts(self, starts, device):
         return torch.tensor(starts, dtype=torch.int64, device=device)
@@ -270,25 +244,6 @@ class TritonBackend(Backend):
         mask = tree_mask.contiguous() if tree_mask is not None else None
         return self._attn.tree_attention(q.contiguous(), k_cache, v_cache, self._starts(starts, q.device),
                                          mask, scale, n_uncommitted=n_uncommitted, max_prefix=max(starts))
-
-    def _keys(self, positions: list[int], params: SamplingParams, device) -> torch.Tensor | None:
-        if params.greedy:
-            return None
-        return torch.tensor([noise_key(params.seed, p) for p in positions], dtype=torch.int64, device=device)
-
-    def choose_one(self, logits, position, params, noise):
-        keys = self._keys([position], params, logits.device)
-        return int(self._verify.choice(logits[None].contiguous(), keys, params.temperature,
-                                       params.top_k, params.top_p)[0])
-
-    def verify(self, tree, logits, positions, params, noise):
-        dev = logits.device
-        packed = self._verify.verify_tree(
-            logits.contiguous(), torch.tensor(tree.tokens, dtype=torch.int64, device=dev),
-            torch.tensor(tree.parents, dtype=torch.int64, device=dev),
-            self._keys([p + 1 for p in positions], params, dev), params.temperature, params.top_k, params.top_p)
-        path, bonus = self._verify.unpack_verify(packed)
-        return path, [tree.tokens[n] for n in path[1:]] + [bonus]
 
     def commit(self, k, v, row, start, path):
         path_t = torch.tensor([path], dtype=torch.int64, device=k.device)  # (1, M)

@@ -10,17 +10,19 @@ import time
 
 import torch
 
-from .backend import Backend
-from .kv_cache import KVCache
-from .model import GPT2
+from staged_engine.model.backend import Backend
+from staged_engine.model.kv_cache import KVCache
+from staged_engine.model.gpt2 import GPT2
 
 
 class ModelRunner:
-    """One model, one cache row by default; counts its forward passes and their time."""
+    """One model, its kernels (``backend``) and its KV cache (one row by default, ``max_len``
+    slots, default the context window); counts its forward passes and their time."""
 
-    def __init__(self, model: GPT2, backend: Backend, batch: int = 1) -> None:
+    def __init__(self, model: GPT2, backend: Backend, batch: int = 1, max_len: int | None = None) -> None:
         self.model = model
-        self.cache: KVCache = model.new_cache(batch=batch, backend=backend)
+        self.backend = backend
+        self.cache: KVCache = model.new_cache(batch=batch, max_len=max_len)
         self.device = model.wte.weight.device
         self.calls = 0
         self.forward_seconds = 0.0
@@ -37,14 +39,18 @@ class ModelRunner:
 
     def reset(self) -> None:
         self.cache.reset()
-        self.cache.backend.refresh(self.model)
+        self.backend.refresh(self.model)
         self.calls = 0
         self.forward_seconds = 0.0
         self.nodes = 0
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask, last_only: bool):
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+            last_only: bool = False, cache: KVCache | None = None) -> torch.Tensor:
+        """One counted forward pass: tokens, positions (B, N) -> logits (B, N, V), over this
+        runner's cache or over ``cache`` (a ``view`` of it)."""
         t0 = time.perf_counter()
-        logits = self.model(tokens, positions, self.cache, tree_mask, last_only)
+        logits = self.model(tokens, positions, self.cache if cache is None else cache, tree_mask, last_only,
+                            self.backend)
         self.forward_seconds += time.perf_counter() - t0
         self.calls += 1
         self.nodes += tokens.numel()
@@ -57,7 +63,7 @@ class ModelRunner:
             start = self.length
             ids = torch.tensor([part], dtype=torch.int64, device=self.device)
             pos = torch.arange(start, start + len(part), device=self.device)[None]
-            self._run(ids, pos, None, last_only=True)
+            self.run(ids, pos, None, last_only=True)
             self.cache.advance()
 
     def step(self, token: int) -> torch.Tensor:
@@ -65,7 +71,7 @@ class ModelRunner:
         start = self.length
         ids = torch.tensor([[token]], dtype=torch.int64, device=self.device)
         pos = torch.tensor([[start]], dtype=torch.int64, device=self.device)
-        logits = self._run(ids, pos, None, last_only=False)[0, 0]
+        logits = self.run(ids, pos, None, last_only=False)[0, 0]
         self.cache.advance()
         return logits
 
@@ -84,11 +90,11 @@ class ModelRunner:
         """
         ids = torch.tensor([tokens], dtype=torch.int64, device=self.device)
         pos = torch.tensor([positions], dtype=torch.int64, device=self.device)
-        return self._run(ids, pos, tree_mask, last_only=False)[0]
+        return self.run(ids, pos, tree_mask, last_only=False)[0]
 
     def commit(self, path: list[int]) -> None:
         """Keep the pending entries ``path`` (increasing, starting at 0), drop the rest."""
-        self.cache.commit_path(path)
+        self.cache.commit(path, 0, self.backend.commit)
 
     def discard(self) -> None:
         self.cache.discard()

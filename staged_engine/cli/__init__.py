@@ -1,0 +1,1 @@
+"""The ``staged-engine`` command: ``main.py`` parses, one module per group of subcommands."""
