@@ -37,9 +37,15 @@ import sys
 import time
 
 import torch
-
-from common import (ProgressBar, add_model_and_prompt_args, fmt, load_prompts, machine,  # noqa: E402
-                    progress, publish)  # noqa: E402
+from common import (  # noqa: E402
+    ProgressBar,
+    add_model_and_prompt_args,
+    fmt,
+    load_prompts,
+    machine,
+    progress,  # noqa: E402
+    publish,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SYSTEMS = ("dsbd", "dsbd_memory", "beam", "beam_rows", "plain", "staged", "hf_beam_sample")

@@ -21,9 +21,16 @@ import sys
 import time
 
 import torch
-
-from common import (ProgressBar, add_model_and_prompt_args, fmt, load_prompts, loops, machine,  # noqa: E402
-                    progress, publish)  # noqa: E402
+from common import (  # noqa: E402
+    ProgressBar,
+    add_model_and_prompt_args,
+    fmt,
+    load_prompts,
+    loops,
+    machine,
+    progress,  # noqa: E402
+    publish,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENGINE_SYSTEMS = ("plain", "chain", "tree", "staged", "chain_fixed", "tree_fixed", "staged_fixed")

@@ -17,7 +17,6 @@ import sys
 import time
 
 import torch
-
 from common import machine, progress, save  # noqa: E402
 
 NODES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
@@ -67,9 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="forward_cost.json")
     args = ap.parse_args(argv)
+    from staged_engine.demo_pair import DEMO_DIR
     from staged_engine.model.backend import TorchBackend, _cpu
     from staged_engine.model.checkpoint import load_model
-    from staged_engine.demo_pair import DEMO_DIR
 
     path = args.oracle or os.path.join(DEMO_DIR, "oracle")
     model = load_model(path)

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -188,7 +187,6 @@ def copy_bandwidth(torch, device, timer: Timer, small: bool) -> dict:
 
 def bench_attention(args, torch, device, dtype, timer, run_triton) -> list[dict]:
     import torch.nn.functional as F
-
     from staged_engine.kernels.tree_attention import tree_attention_ref
 
     if run_triton:
@@ -281,6 +279,7 @@ def bench_commit(args, torch, device, dtype, timer, run_triton) -> list[dict]:
 
 def bench_verify(args, torch, device, dtype, timer, run_triton) -> list[dict]:
     from staged_engine.kernels.verify import verify_tree_ref
+
     from staged_engine.sampling import noise_key
 
     if run_triton:

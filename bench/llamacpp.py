@@ -29,7 +29,9 @@ class LlamaCppUnavailable(RuntimeError):
 
 
 def cache_dir() -> str:
-    from staged_engine.demo_pair import cache_dir as engine_cache  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
+    from staged_engine.demo_pair import (
+        cache_dir as engine_cache,  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
+    )
 
     root = engine_cache()
     path = os.path.join(root, "llama.cpp")

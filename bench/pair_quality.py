@@ -16,15 +16,14 @@ import sys
 
 import numpy as np
 import torch
-
 from common import machine, publish  # noqa: E402
 
 
 def run(args) -> dict:
     from tokenizers import Tokenizer
 
-    from staged_engine.model.checkpoint import load_model
     from staged_engine.demo_pair import DEMO_DIR
+    from staged_engine.model.checkpoint import load_model
     from staged_engine.training import corpus
     from staged_engine.training.train import encode_docs, evaluate, token_byte_lengths
 

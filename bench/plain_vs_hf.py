@@ -14,7 +14,6 @@ import sys
 import tempfile
 
 import torch
-
 from common import machine, median, progress, save, timed  # noqa: E402
 
 SHAPES = {

@@ -31,7 +31,6 @@ import sys
 import time
 
 import torch
-
 from common import machine, progress, publish  # noqa: E402
 from forward_cost import random_tree_mask  # noqa: E402
 
@@ -66,7 +65,9 @@ def gemm_rate() -> float:
 def gpt2_small_checkpoint(tokenizer_from: str) -> str:
     """A GPT-2-small-shaped checkpoint with random weights stored in fp16, made once and cached
     (llama.cpp's converter needs a tokenizer: the demo's, its vocabulary padded)."""
-    from staged_engine.demo_pair import cache_dir as engine_cache  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
+    from staged_engine.demo_pair import (
+        cache_dir as engine_cache,  # $STAGED_ENGINE_CACHE, ~/.cache/staged-engine
+    )
 
     root = engine_cache()
     path = os.path.join(root, "gpt2-small-shaped-random-fp16")
@@ -155,7 +156,7 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
 
     model = load_model(path)
     backend = TorchBackend()
-    native = backend._native_model(model)
+    native = backend.native_model(model)
     nbytes = native.weight_bytes
     progress(f"{name}: {model.config.num_params / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB of weights a token")
     bw = read_bandwidth(nbytes)

@@ -83,8 +83,6 @@ def demo_ngram(tokenizer_path: str, log=_log):
         docs.extend(e.ids for e in tok.encode_batch(texts[i:i + 512], add_special_tokens=False))
     ng = NGramModel.build(docs, order=NGRAM_ORDER, vocab_size=tok.get_vocab_size(), top_m=NGRAM_TOP_M)
     os.makedirs(cache_dir(), exist_ok=True)
-    tmp = path + f".{os.getpid()}.tmp"
-    ng.save(tmp)
-    os.replace(tmp, path)
+    ng.save(path)  # atomically
     log(f"  {sum(len(d) for d in docs) / 1e6:.1f}M tokens, {time.perf_counter() - t0:.1f}s; cached at {path}")
     return ng

@@ -10,15 +10,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from staged_engine.beam.decoders import make_beam_decoder
+from staged_engine.checks import check_int, is_int
+from staged_engine.demo_pair import DEMO_DIR, demo_ngram
 from staged_engine.model.backend import Backend, make_backend
 from staged_engine.model.checkpoint import load_model, load_tokenizer
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, SamplingParams, choose
-from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
-from staged_engine.beam.decoders import make_beam_decoder
-from staged_engine.demo_pair import DEMO_DIR, demo_ngram
 from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
+from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
 
 STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
 # The largest shape of each speculative strategy, per mode. By default a generation does not
@@ -91,7 +92,7 @@ class StatePool:
     ``timeout`` seconds (None: for ever), then raises TimeoutError."""
 
     def __init__(self, size: int, timeout: float | None) -> None:
-        self.size = _check_int("pool_size", size, 1)
+        self.size = check_int("pool_size", size, 1)
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or timeout < 0):
             raise ValueError(f"pool_timeout must be a number >= 0 or None, got {timeout!r}")
@@ -124,12 +125,6 @@ class StatePool:
     def states(self) -> int:
         """States allocated so far (at most ``size``)."""
         return self._made
-
-
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 class Engine:
@@ -228,7 +223,7 @@ class Engine:
             raise ValueError("prompt is empty: it must hold at least one token")
         vocab = self.config.vocab_size
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            if not is_int(t) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
         if len(ids) >= self.config.n_positions:
             raise ValueError(f"prompt has {len(ids)} tokens but the context window is "
@@ -348,8 +343,8 @@ class Engine:
         names the prompt token it replaced."""
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        _check_int("max_new_tokens", max_new_tokens, 1)
-        _check_int("num_beams", num_beams, 1)
+        check_int("max_new_tokens", max_new_tokens, 1)
+        check_int("num_beams", num_beams, 1)
         if num_beams > 1 and strategy not in ("beam", "dsbd"):
             raise ValueError(f"num_beams > 1 needs strategy 'beam' or 'dsbd', got {strategy!r}")
         if seed is None and temperature > 0:

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 
+from staged_engine.checks import is_int
 from staged_engine.engine import STRATEGIES, Engine
 
 DEFAULTS = dict(max_tokens=16, temperature=1.0, top_p=1.0, strategy="staged")  # OpenAI's defaults
@@ -66,10 +67,10 @@ def parse_request(body, engine: Engine) -> dict:
     if n_ids >= engine.config.n_positions:
         raise RequestError(f"prompt has {n_ids} tokens; the context window is {engine.config.n_positions}", "prompt")
     max_tokens = body.get("max_tokens", DEFAULTS["max_tokens"])
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise RequestError(f"max_tokens must be an integer >= 1, got {json.dumps(max_tokens)}", "max_tokens")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2 ** 63):
         raise RequestError(f"seed must be an integer in [0, 2^63), got {json.dumps(seed)}", "seed")
     stop = body.get("stop")
     if isinstance(stop, str):

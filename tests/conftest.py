@@ -5,6 +5,12 @@ import os
 
 import pytest
 import torch
+
+# Triton reads TRITON_INTERPRET when it is imported, and transformers may import it while the
+# tests above kernels/ are collected: set it here, before anything, for the kernel tests on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from ckpt_util import CHECKPOINT_CONFIGS, make_hf_checkpoint, perturbed_copy
 
 

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from staged_engine import Engine
-from staged_engine.demo_pair import DEMO_PROMPTS
-from staged_engine.demo_pair import DEMO_DIR
+from staged_engine.demo_pair import DEMO_DIR, DEMO_PROMPTS
 
 CODE = '''def merge(a, b):
     """Merge two sorted lists."""

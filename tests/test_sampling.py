@@ -9,7 +9,13 @@ import torch
 
 from staged_engine import Engine
 from staged_engine.sampling import (
-    NoiseTable, SamplingParams, _hash_reference, choose, gumbel_noise, processed_logprobs, vocab_salt,
+    NoiseTable,
+    SamplingParams,
+    _hash_reference,
+    choose,
+    gumbel_noise,
+    processed_logprobs,
+    vocab_salt,
 )
 
 

@@ -48,3 +48,27 @@ def test_stream_concatenates_to_generate_text(byte_tokenizer, tmp_path):
         for piece in pieces:  # every emitted prefix is final: nothing is taken back or replaced
             so_far += piece
             assert text.startswith(so_far)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return Engine.demo(ngram=False)
+
+
+@pytest.mark.parametrize("strategy,kwargs", [
+    ("beam", dict(num_beams=3, temperature=0.8, seed=5)),
+    ("beam", dict(num_beams=2, layout="rows", temperature=1.0, seed=6)),
+    ("dsbd", dict(num_beams=3, temperature=0.8, seed=5)),
+    ("dsbd", dict(num_beams=4, temperature=1.0, seed=7, layout="rows", gamma=3)),
+])
+def test_beams_stream_as_their_shared_prefix_is_fixed(demo, strategy, kwargs):
+    """Beams stream the tokens every live beam shares, as soon as they are fixed; the pieces
+    concatenate to generate()'s text, and the first arrives well before the last token."""
+    prompt = 'def read_lines(path):\n    """Return the lines of a text file."""\n'
+    ref = demo.generate(prompt, max_new_tokens=64, strategy=strategy, stop_at_eos=False, **kwargs)
+    stats: dict = {}
+    pieces = list(demo.stream(prompt, max_new_tokens=64, strategy=strategy, stop_at_eos=False, stats=stats,
+                              **kwargs))
+    assert len(pieces) > 1
+    assert "".join(pieces) == ref.text
+    assert stats["new_tokens"] == 64 and stats["beam_token_ids"] == ref.stats["beam_token_ids"]

@@ -40,7 +40,15 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from staged_engine.beam.core import Beams, BeamSampling, DSBDConfig, DSBDRun, Prefix, TorchRandom
+from staged_engine.beam.core import (
+    Beams,
+    BeamSampling,
+    DSBDConfig,
+    DSBDRun,
+    Prefix,
+    TorchRandom,
+)
+from staged_engine.checks import check_int
 from staged_engine.model.backend import Backend
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.kv_cache import KVCache
@@ -96,9 +104,7 @@ def dsbd_config(num_beams: int, options: dict) -> DSBDConfig:
                          f"known: {list(DSBD_OPTIONS) + ['layout']}")
     opts = {**DSBD_OPTIONS, **options}
     for name in ("gamma", "draft_width", "w_min"):
-        v = opts[name]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        check_int(name, opts[name])
     t = opts["threshold"]
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
         raise ValueError(f"threshold must be a number in [0, 1], got {t!r}")

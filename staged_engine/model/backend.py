@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from staged_engine.model.kv_cache import move_entries
 
-
 try:
     from staged_engine import _cpu
 except ImportError:  # the C++ extension is not built: pure torch, same results up to rounding
@@ -103,10 +102,10 @@ class TorchBackend(Backend):
         # id(model) -> (model, layer tensors, version sum, NativeGPT2, every weight tensor)
         self._natives: dict[int, tuple] = {}
         self._warned_dtype = False
-        # weight -> its float16 twin, for weights whose values fp16 holds exactly (see _stream_weight)
+        # weight -> its float16 twin, for weights whose values fp16 holds exactly (see stream_weight)
         self._half: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
 
-    def _stream_weight(self, weight: torch.Tensor) -> torch.Tensor:
+    def stream_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The tensor the native kernel should read for ``weight``.
 
         Few-row products are bound by memory traffic. A checkpoint stored in fp16 and loaded as
@@ -128,11 +127,11 @@ class TorchBackend(Backend):
     def linear(self, x, weight, bias):
         rows = x.numel() // x.shape[-1]
         if self._use_native(x, rows):
-            y = _cpu.linear(x.reshape(rows, x.shape[-1]).contiguous(), self._stream_weight(weight), bias)
+            y = _cpu.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.stream_weight(weight), bias)
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
-    def _native_model(self, model):
+    def native_model(self, model):
         """The model packed for ``_cpu.NativeGPT2``, built at first use (see ``refresh``)."""
         entry = self._natives.get(id(model))
         if entry is None or entry[0] is not model or entry[1] is not model._layer_tensors():
@@ -173,7 +172,7 @@ class TorchBackend(Backend):
                               stacklevel=2)
             return None
         mask = tree_mask.contiguous() if tree_mask is not None else None
-        return self._native_model(model).forward(tokens, positions, k, v, writes, starts, m, mask, last_only)
+        return self.native_model(model).forward(tokens, positions, k, v, writes, starts, m, mask, last_only)
 
     def top_children(self, scores, k):
         if self._use_native(scores, 1) and scores.dim() == 2 and k <= 64:

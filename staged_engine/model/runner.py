@@ -11,8 +11,8 @@ import time
 import torch
 
 from staged_engine.model.backend import Backend
-from staged_engine.model.kv_cache import KVCache
 from staged_engine.model.gpt2 import GPT2
+from staged_engine.model.kv_cache import KVCache
 
 
 class ModelRunner:

@@ -26,6 +26,7 @@ import warnings
 from array import array
 from typing import Any, Sequence
 
+from staged_engine.checks import atomic_path
 from staged_engine.ngram.format import (
     FORMAT_VERSION,
     MAX_ORDER,
@@ -157,16 +158,9 @@ class NGramModel:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the model to path (atomically: a temporary file, then rename)."""
-        p = os.fspath(path)
         data = self._impl.to_bytes()
-        tmp = f"{p}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, p)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            f.write(data)
 
     # -- queries ------------------------------------------------------------------------------
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 import time
 
-from staged_engine.spec.drafters import ModelDrafter, TreeShape
+from staged_engine.checks import check_int
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig
+from staged_engine.spec.drafters import ModelDrafter, TreeShape
 from staged_engine.spec.verify import choose_one, verify
 
 
@@ -157,8 +158,7 @@ class DepthController:
 
     def __init__(self, shape: TreeShape, explore_every: int = 8, decay: float = 0.7,
                  max_interval: int = 64) -> None:
-        if isinstance(explore_every, bool) or not isinstance(explore_every, int) or explore_every < 2:
-            raise ValueError(f"explore_every must be an integer >= 2, got {explore_every!r}")
+        check_int("explore_every", explore_every, 2)
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         self.shape = shape

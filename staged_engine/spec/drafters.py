@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from staged_engine.checks import check_int, is_int
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, perturbed_logprobs, perturbed_top
 from staged_engine.spec.tree import Tree
@@ -32,9 +33,7 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_depth", "children", "expand"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            check_int(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class NGramDrafter:
     """The lowest stage: mini-trees from an n-gram model; costs microseconds, has no cache."""
 
     def __init__(self, ngram, widths: tuple[int, ...] = (12, 7, 4, 1, 1, 1), learn: bool = False) -> None:
-        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+        if not widths or any(not is_int(w) or w < 1 for w in widths):
             raise ValueError(f"ngram_widths must be a non-empty sequence of integers >= 1, got {widths!r}")
         self.ngram = ngram
         self.widths = list(widths)

@@ -31,9 +31,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from staged_engine.checks import atomic_path
 from staged_engine.model.checkpoint import load_model, save_model
 from staged_engine.model.config import GPT2Config
 from staged_engine.model.gpt2 import GPT2
+
 from . import corpus as corpus_mod
 from .tokenizer import EOS_TOKEN, train_tokenizer
 
@@ -212,9 +214,8 @@ def _loss(model: GPT2, batch: torch.Tensor, hp: TrainConfig, teacher: GPT2 | Non
 
 
 def _atomic_save(obj, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
 
 
 def train_model(cfg: GPT2Config, train_tokens: np.ndarray, val_tokens: np.ndarray | None,
@@ -381,8 +382,8 @@ def stage_tokenizer(paths: DemoPaths, c: corpus_mod.Corpus, vocab_size: int, sam
         f"(every {sample_every}th, {sum(map(len, texts)) / 1e6:.0f} MB)")
     tok = train_tokenizer(texts, vocab_size)
     os.makedirs(paths.run_dir, exist_ok=True)
-    tok.save(paths.tokenizer + ".tmp")
-    os.replace(paths.tokenizer + ".tmp", paths.tokenizer)
+    with atomic_path(paths.tokenizer) as tmp:
+        tok.save(tmp)
     log(f"tokenizer: vocab {tok.get_vocab_size()} written to {paths.tokenizer} in {time.time() - t0:.0f} s")
 
 
@@ -409,9 +410,8 @@ def stage_data(paths: DemoPaths, c: corpus_mod.Corpus, log: Log) -> dict:
         meta[f"bytes_{name}"] = c.manifest[f"bytes_{name}"]
         with open(os.path.join(paths.data, f"{name}_files.txt"), "w", encoding="utf-8") as f:
             f.write("\n".join(rel for rel, _ in docs) + "\n")
-    with open(meta_path + ".tmp", "w", encoding="utf-8") as f:
+    with atomic_path(meta_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
-    os.replace(meta_path + ".tmp", meta_path)
     log(f"data: {meta['tokens_train']:,} train / {meta['tokens_val']:,} val / {meta['tokens_held_out']:,} "
         f"held-out tokens ({meta['bytes_train'] / meta['tokens_train']:.2f} bytes per token) "
         f"in {time.time() - t0:.0f} s")

@@ -9,7 +9,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from staged_engine.kernels.kv_cache import kv_append, kv_append_ref, kv_commit, kv_commit_ref  # noqa: E402
+from staged_engine.kernels.kv_cache import (  # noqa: E402
+    kv_append,
+    kv_append_ref,
+    kv_commit,
+    kv_commit_ref,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [40, 64]

@@ -18,6 +18,7 @@ from staged_engine.kernels.verify import (  # noqa: E402
     verify_tree,
     verify_tree_ref,
 )
+
 from staged_engine.sampling import (  # noqa: E402
     NoiseTable,
     SamplingParams,

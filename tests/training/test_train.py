@@ -6,21 +6,30 @@ import json
 import os
 
 import numpy as np
-import torch.nn.functional as F
 import pytest
 import torch
+import torch.nn.functional as F
+from test_corpus_tokenizer import CODE
 
-from staged_engine.model.checkpoint import load_model
 from staged_engine.cli.main import main as cli_main
+from staged_engine.model.checkpoint import load_model
 from staged_engine.model.config import GPT2Config
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.training.tokenizer import EOS_TOKEN, train_tokenizer
 from staged_engine.training.train import (
-    DemoPaths, TrainConfig, batch_at, encode_docs, eval_windows, evaluate, export_model, lr_at,
-    _distill_terms, parse_size, token_byte_lengths, train_model,
+    DemoPaths,
+    TrainConfig,
+    _distill_terms,
+    batch_at,
+    encode_docs,
+    eval_windows,
+    evaluate,
+    export_model,
+    lr_at,
+    parse_size,
+    token_byte_lengths,
+    train_model,
 )
-
-from test_corpus_tokenizer import CODE
 
 TEXTS = [CODE.replace("Stack", f"Stack{i}").replace("10", str(i)) for i in range(40)]
 

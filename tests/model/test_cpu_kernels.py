@@ -58,14 +58,14 @@ def test_backend_streams_fp16_only_when_exact():
     inexact = _weights(40, 64, 6, fp16_exact=False)
     big = exact.clone()
     big[0, 0] = 1e6  # beyond fp16's range
-    assert be._stream_weight(exact).dtype == torch.float16
-    assert be._stream_weight(inexact) is inexact
-    assert be._stream_weight(big) is big
+    assert be.stream_weight(exact).dtype == torch.float16
+    assert be.stream_weight(inexact) is inexact
+    assert be.stream_weight(big) is big
     x = torch.randn(2, 5, 64)
     for w in (exact, inexact):
         torch.testing.assert_close(be.linear(x, w, None), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
     exact.add_(1e-4)  # modified in place: decided again, the kernel must see the new values
-    assert torch.equal(be._stream_weight(exact).float(), exact)
+    assert torch.equal(be.stream_weight(exact).float(), exact)
 
 
 _BAD_INPUTS = r"""

@@ -14,11 +14,14 @@ import math
 import pytest
 import torch
 from transformers import GPT2LMHeadModel
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from staged_engine import Engine, SamplingParams
 import staged_engine.beam.core as core
+from staged_engine import Engine, SamplingParams
 from staged_engine.beam.core import CachelessLM, DSBDConfig, dsbd_generate
 from staged_engine.beam.decoders import TreeLM
 from staged_engine.model.runner import ModelRunner

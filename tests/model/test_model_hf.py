@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ckpt_util import CHECKPOINT_CONFIGS
 
 from staged_engine import Engine
-
-from ckpt_util import CHECKPOINT_CONFIGS
 
 TIE = 1e-4  # a greedy flip where the top-2 logits are closer than this is a tie, not a bug
 

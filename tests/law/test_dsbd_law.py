@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 import torch
-
 from markov_lm import MarkovLM, random_markov
+
 from staged_engine.beam.core import (
     DSBDConfig,
     acceptance_alphas,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from staged_engine import Engine
-from staged_engine.spec.drafters import TreeShape
 from staged_engine.spec.decoders import DepthController
+from staged_engine.spec.drafters import TreeShape
 
 VOCAB = 997
 

@@ -16,8 +16,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from markov_lm import Markov2Model, random_markov2, sample_markov2
+
 from staged_engine import Engine, NGramModel
 from staged_engine.model.kv_cache import KVCache
 from staged_engine.spec.tree import Tree
