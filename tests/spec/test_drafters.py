@@ -1,6 +1,9 @@
-"""ModelDrafter on its own: trees within their limits, and a draft cache that, after the oracle
-accepts a path, holds exactly what prefilling the accepted text would."""
+"""ModelDrafter on its own: each tree is the best-first tree a brute-force search over the
+draft's full-recompute distributions finds, and after the oracle accepts a path the draft cache
+holds exactly what prefilling the accepted text would."""
 from __future__ import annotations
+
+import heapq
 
 import torch
 
@@ -11,7 +14,40 @@ from staged_engine.sampling import SamplingConfig, SamplingParams
 from staged_engine.spec.drafters import ModelDrafter, TreeShape
 
 
-def test_trees_respect_the_shape_and_the_cache_follows_acceptance(pair):
+def best_first_tree(model, context: list[int], shape: TreeShape) -> set[tuple[int, ...]]:
+    """The ``budget - 1`` highest cumulative draft log-probability paths below the root, each node
+    offering its ``children`` most likely tokens, depth <= max_depth: a priority-queue search
+    over full causal passes (``forward_train``, no cache). Scores only fall along a path, so
+    popping in order yields the global best set."""
+    def top(path: tuple[int, ...]) -> list[tuple[float, int]]:
+        with torch.no_grad():
+            logp = torch.log_softmax(model.forward_train(torch.tensor([context + list(path)]))[0, -1], -1)
+        vals, ids = logp.topk(shape.children)
+        return list(zip(vals.tolist(), ids.tolist()))
+
+    heap, chosen = [(0.0, ())], set()
+    while heap and len(chosen) < shape.budget - 1:
+        neg, path = heapq.heappop(heap)
+        if path:
+            chosen.add(path)
+        if len(path) < shape.max_depth:
+            for lp, tok in top(path):
+                heapq.heappush(heap, (neg - lp, path + (tok,)))
+    return chosen
+
+
+def _paths(tree) -> set[tuple[int, ...]]:
+    out = set()
+    for node in range(1, len(tree)):
+        path, n = [], node
+        while n > 0:
+            path.append(tree.tokens[n])
+            n = tree.parents[n]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+def test_trees_are_best_first_and_the_cache_follows_acceptance(pair):
     _, draft_dir = pair
     model = load_model(draft_dir)
     backend = TorchBackend()
@@ -27,9 +63,10 @@ def test_trees_respect_the_shape_and_the_cache_follows_acceptance(pair):
             root_position = len(history) - 1
             draft = drafter.build(root_position, shape.budget, shape.max_depth)
             tree = draft.tree
-            assert 1 < len(tree) <= shape.budget and max(tree.depths) <= shape.max_depth
-            assert all(p < i for i, p in enumerate(tree.parents) if i)  # topological
             assert tree.tokens[0] == history[-1]
+            assert all(p < i for i, p in enumerate(tree.parents) if i)  # topological
+            assert len(tree) == shape.budget
+            assert _paths(tree) == best_first_tree(model, history, shape)
             # The oracle accepts some path (the first child chain, cut at step % 3) and a bonus.
             path = [0]
             while len(path) <= step % 3 and tree.children[path[-1]]:
