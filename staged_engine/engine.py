@@ -2,60 +2,58 @@
 from __future__ import annotations
 
 import os
-import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import torch
 
 from staged_engine.beam.decoders import make_beam_decoder
+from staged_engine.config import GenerationConfig, SpecConfig
 from staged_engine.checks import check_int, is_int
 from staged_engine.demo_pair import DEMO_DIR, demo_ngram
 from staged_engine.model.backend import Backend, make_backend
 from staged_engine.model.checkpoint import load_model, load_tokenizer
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.runner import ModelRunner
-from staged_engine.sampling import SamplingConfig, SamplingParams, choose
+from staged_engine.sampling import SamplingConfig, choose
 from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
 
-STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
-# The largest shape of each speculative strategy, per mode. By default a generation does not
-# play it every round: strategies.DepthController chooses, each round, a depth from 0 (a plain
-# step) up to this shape's, by the tokens per second each depth has delivered so far on this
-# machine and text. Pinning any shape knob (or adaptive=False) plays the shape every round.
-# Greedy drafts agree for longer runs than sampled ones, hence the deeper greedy shapes.
-DEFAULT_SHAPES = {
-    "greedy": {
-        "chain": TreeShape(budget=11, max_depth=10, children=1, expand=1),
-        "tree": TreeShape(budget=4, max_depth=3, children=2, expand=2),
-        "staged": TreeShape(budget=7, max_depth=6, children=1, expand=1),
-    },
-    "sampled": {
-        "chain": TreeShape(budget=3, max_depth=2, children=1, expand=1),
-        "tree": TreeShape(budget=4, max_depth=3, children=4, expand=4),
-        "staged": TreeShape(budget=5, max_depth=4, children=1, expand=1),
-    },
-}
-DEFAULT_NGRAM_WIDTHS = {"greedy": (1,) * 6, "sampled": (1,) * 4}
-SPEC_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length", "ngram_widths", "ngram_learn",
-                "adaptive")
-SHAPE_OPTIONS = ("budget", "max_depth", "children", "expand", "chain_length")
-# Speculative strategies choose their depth each round from measured throughput
-# (strategies.DepthController) unless the call pins a shape or passes adaptive=False.
-ADAPTIVE_DEFAULT = True
 # Token healing favours keeping the prompt's own last token by this many logits, as HF
 # transformers does, so that 'http' is not healed to 'https' on a whim.
 HEALING_KEEP_BONUS = 1.0
+
+
+class GenerationStats(TypedDict, total=False):
+    """What ``generate().stats`` (and a stream's ``stats`` dict) holds after a generation."""
+
+    strategy: str
+    new_tokens: int
+    finish_reason: str  # "length", "context" or "eos"
+    oracle_calls: int  # oracle forward passes after the prompt
+    draft_calls: int
+    tokens_per_oracle_call: float
+    seconds: float  # wall time of the call, prefill included
+    decode_seconds: float  # after the prefill
+    tokens_per_second: float  # new tokens over decode_seconds
+    prefill_tokens: int
+    forward_seconds: float  # inside model forward passes (oracle and drafts)
+    overhead_share: float  # 1 - forward_seconds / seconds
+    accepted_lengths: list[int]  # tokens emitted per round
+    relative_memory_traffic: float  # weight bytes read over plain decoding's
+    healed_token: int  # with token_healing: the prompt token that was replaced
+    adaptive: dict  # adaptive speculation: rounds and tokens/s per depth
+    # beam / dsbd: num_beams, layout, beam_scores, beam_token_ids, best_beam, beam_widths, ...
 
 
 @dataclass
 class GenerationResult:
     token_ids: list[int]  # new tokens only
     text: str | None  # decoded new tokens (None without a tokenizer)
-    stats: dict = field(default_factory=dict)
+    stats: GenerationStats = field(default_factory=dict)
 
 
 class TextStreamer:
@@ -259,50 +257,25 @@ class Engine:
         return {"weights": weights, "per_state": per_state, "pool_size": self._pool.size,
                 "states_allocated": self._pool.states(), "total": weights + per_state * self._pool.states()}
 
-    def _decoder(self, state: dict, strategy: str, sampling: SamplingConfig, options: dict,
-                 num_beams: int = 1) -> Decoder:
+    def _decoder(self, state: dict, config: GenerationConfig, sampling: SamplingConfig) -> Decoder:
         oracle = self._runner(state, "oracle", self.oracle)
-        if strategy == "plain":
-            if options:
-                raise ValueError(f"strategy 'plain' takes no options, got {sorted(options)}")
-            return PlainDecoder(oracle, sampling)
-        if strategy in ("chain", "tree", "staged"):
-            adaptive = options.pop("adaptive", ADAPTIVE_DEFAULT and not any(k in options for k in SHAPE_OPTIONS))
-            if not isinstance(adaptive, bool):
-                raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
-            return SpeculativeDecoder(oracle, sampling, self._drafter(state, strategy, sampling, options), strategy,
-                                      adaptive)
-        return make_beam_decoder(self, strategy, sampling, num_beams, options)
+        if config.spec is not None:
+            drafter = self._drafter(state, config.strategy, config.spec, sampling)
+            return SpeculativeDecoder(oracle, sampling, drafter, config.strategy, config.spec.adaptive)
+        if config.beam is not None:
+            return make_beam_decoder(self, config.strategy, sampling, config.num_beams, config.beam)
+        return PlainDecoder(oracle, sampling)
 
-    def _drafter(self, state: dict, strategy: str, sampling: SamplingConfig, options: dict) -> ModelDrafter:
-        unknown = sorted(set(options) - set(SPEC_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} for strategy {strategy!r}; "
-                             f"known: {list(SPEC_OPTIONS)}")
+    def _drafter(self, state: dict, strategy: str, spec: SpecConfig, sampling: SamplingConfig) -> ModelDrafter:
         if self.draft is None:
             raise ValueError(f"strategy {strategy!r} needs a draft model (Engine.from_pretrained(draft=...))")
-        mode = "greedy" if sampling.greedy else "sampled"
-        shape = DEFAULT_SHAPES[mode][strategy]
-        if strategy == "chain":
-            if any(k in options for k in ("budget", "children", "expand", "max_depth")):
-                raise ValueError("strategy 'chain' takes chain_length, not budget/children/expand/max_depth")
-            k = options.get("chain_length", shape.max_depth)
-            shape = TreeShape(budget=k + 1 if isinstance(k, int) else k, max_depth=k, children=1, expand=1)
-        else:
-            if "chain_length" in options:
-                raise ValueError(f"chain_length is an option of strategy 'chain', not {strategy!r}")
-            shape = TreeShape(**{f: options.get(f, getattr(shape, f))
-                                 for f in ("budget", "max_depth", "children", "expand")})
         inner = None
         if strategy == "staged":
-            widths = tuple(options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS[mode]))
-            inner = NGramDrafter(self._ngram_model(), widths, bool(options.get("ngram_learn", False)))
+            inner = NGramDrafter(self._ngram_model(), spec.ngram_widths, spec.ngram_learn)
             if self.draft2 is not None:
                 inner = ModelDrafter(self._runner(state, "draft2", self.draft2), sampling,
                                      TreeShape(budget=8, max_depth=4, children=2, expand=2), inner)
-        elif "ngram_widths" in options or "ngram_learn" in options:
-            raise ValueError(f"ngram_widths/ngram_learn are options of strategy 'staged', not {strategy!r}")
-        return ModelDrafter(self._runner(state, "draft", self.draft), sampling, shape, inner)
+        return ModelDrafter(self._runner(state, "draft", self.draft), sampling, spec.shape, inner)
 
     def _ngram_model(self):
         if self.ngram is None:
@@ -335,36 +308,22 @@ class Engine:
         masked[ids[-1]] += HEALING_KEEP_BONUS
         return trimmed, int(choose(masked[None], [len(trimmed)], sampling.params, sampling.noise)[0])
 
-    def _rounds(self, prompt, max_new_tokens: int, strategy: str, temperature: float, top_k: int,
-                top_p: float, seed: int | None, num_beams: int, stop_at_eos: bool,
-                options: dict, stats: dict, token_healing: bool = False) -> Iterator[list[int]]:
-        """Validate, then yield the new tokens of each round; fills ``stats`` as it goes. With
-        ``token_healing`` the first yield is the healed token alone, and ``stats["healed_token"]``
-        names the prompt token it replaced."""
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        check_int("max_new_tokens", max_new_tokens, 1)
-        check_int("num_beams", num_beams, 1)
-        if num_beams > 1 and strategy not in ("beam", "dsbd"):
-            raise ValueError(f"num_beams > 1 needs strategy 'beam' or 'dsbd', got {strategy!r}")
-        if seed is None and temperature > 0:
-            seed = random.getrandbits(63)
-        params = SamplingParams(temperature, top_k, top_p, seed)
-        if not isinstance(token_healing, bool):
-            raise ValueError(f"token_healing must be True or False, got {token_healing!r}")
+    def _rounds(self, prompt, config: GenerationConfig, stats: dict) -> Iterator[list[int]]:
+        """Yield the new tokens of each round; fills ``stats`` as it goes. With token healing the
+        first yield is the healed token alone, and ``stats["healed_token"]`` names the prompt
+        token it replaced."""
         ids = self.encode(prompt)
-        sampling = SamplingConfig.make(params, self.config.vocab_size, self.device)
+        sampling = SamplingConfig.make(config.params, self.config.vocab_size, self.device)
         state = self._pool.acquire()
         try:
-            yield from self._generate_in(state, ids, sampling, strategy, options, num_beams,
-                                         max_new_tokens, stop_at_eos, token_healing, stats)
+            yield from self._generate_in(state, ids, sampling, config, stats)
         finally:  # also when a stream is closed, garbage-collected or abandoned mid-way
             self._pool.release(state)
 
-    def _generate_in(self, state: dict, ids: list[int], sampling: SamplingConfig,
-                     strategy: str, options: dict, num_beams: int, max_new_tokens: int, stop_at_eos: bool,
-                     token_healing: bool, stats: dict) -> Iterator[list[int]]:
-        decoder = self._decoder(state, strategy, sampling, dict(options), num_beams)
+    def _generate_in(self, state: dict, ids: list[int], sampling: SamplingConfig, config: GenerationConfig,
+                     stats: dict) -> Iterator[list[int]]:
+        decoder = self._decoder(state, config, sampling)
+        strategy, max_new_tokens, stop_at_eos = config.strategy, config.max_new_tokens, config.stop_at_eos
         n_ctx = self.config.n_positions
         t0 = time.perf_counter()
         produced = 0
@@ -373,7 +332,7 @@ class Engine:
         # suspended inside the context would leave it switched on (or off) for whatever code
         # runs next on this thread, such as another stream or the caller's own model code.
         with torch.inference_mode():
-            healed = self._heal(ids, sampling) if token_healing else None
+            healed = self._heal(ids, sampling) if config.token_healing else None
         if healed is not None:
             stats["healed_token"] = ids[-1]
             ids = healed[0] + [healed[1]]
@@ -428,10 +387,11 @@ class Engine:
         With ``token_healing`` the prompt's last token is removed and the first new token is
         constrained to start with its bytes; ``token_ids`` then begins with that token and
         ``text`` is what follows the prompt."""
-        stats: dict = {}
+        config = GenerationConfig.make(strategy, max_new_tokens, temperature, top_k, top_p, seed, num_beams,
+                                       stop_at_eos, token_healing, **options)
+        stats: GenerationStats = {}
         tokens: list[int] = []
-        for new in self._rounds(prompt, max_new_tokens, strategy, temperature, top_k, top_p,
-                                seed, num_beams, stop_at_eos, options, stats, token_healing):
+        for new in self._rounds(prompt, config, stats):
             tokens.extend(new)
         return GenerationResult(tokens, self._text(tokens, stats), stats)
 
@@ -454,9 +414,10 @@ class Engine:
             stats = {}
         elif not isinstance(stats, dict):
             raise ValueError(f"stats must be a dict or None, got {type(stats).__name__}")
+        config = GenerationConfig.make(strategy, max_new_tokens, temperature, top_k, top_p, seed, num_beams,
+                                       stop_at_eos, token_healing, **options)
         streamer = TextStreamer(lambda toks: self._text(toks, stats))
-        for new in self._rounds(prompt, max_new_tokens, strategy, temperature, top_k, top_p,
-                                seed, num_beams, stop_at_eos, options, stats, token_healing):
+        for new in self._rounds(prompt, config, stats):
             piece = streamer.push(new)
             if piece:
                 yield piece

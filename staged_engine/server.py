@@ -20,7 +20,8 @@ import time
 import uuid
 
 from staged_engine.checks import is_int
-from staged_engine.engine import STRATEGIES, Engine
+from staged_engine.config import STRATEGIES
+from staged_engine.engine import Engine
 
 DEFAULTS = dict(max_tokens=16, temperature=1.0, top_p=1.0, strategy="staged")  # OpenAI's defaults
 

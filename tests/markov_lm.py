@@ -171,7 +171,6 @@ class Markov2Model:
             kv[row, s:s + n] = entry
             vv[row, s:s + n] = entry
         visible = self._visibility(tree_mask, b, n, m)
-        tok = tokens.tolist()
         pos = positions.tolist()
         prev = [[0] * n for _ in range(b)]
         for row in range(b):

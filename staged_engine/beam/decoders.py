@@ -36,6 +36,7 @@ holds the rest of the prompt).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,7 +49,6 @@ from staged_engine.beam.core import (
     Prefix,
     TorchRandom,
 )
-from staged_engine.checks import check_int
 from staged_engine.model.backend import Backend
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.kv_cache import KVCache
@@ -56,36 +56,23 @@ from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, SamplingParams, processed_probs
 from staged_engine.spec.decoders import Decoder
 
-# Paper defaults (Qin et al., sec. 5): gamma 4, 8 draft beams, threshold 0.7, W_min 1.
-DSBD_OPTIONS = {"gamma": 4, "draft_width": 8, "threshold": 0.7, "w_min": 1, "dynamic": True,
-                "memory_mode": False}
-# "tree": one cache row holding the beams' common prefix and a tree of their suffixes and drafts
-# (no padding, no row copies); "rows": one cache row per beam, as in the DSBD paper.
-LAYOUTS = ("tree", "rows")
-DEFAULT_LAYOUT = "tree"
+if TYPE_CHECKING:  # the engine validates options into it (staged_engine.config)
+    from staged_engine.config import BeamConfig
+
 PREFILL_CHUNK = 512
 
 
 def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams: int,
-                      options: dict) -> Decoder:
-    """The decoder for strategy ``"beam"`` or ``"dsbd"`` on ``engine``'s oracle (and draft).
-
-    ``options`` are the strategy's keyword options (``layout`` for both, ``DSBD_OPTIONS`` for
-    dsbd); a bad one raises ValueError naming it.
-    """
-    options = dict(options)
-    layout = options.pop("layout", DEFAULT_LAYOUT)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+                      config: BeamConfig) -> Decoder:
+    """The decoder for strategy ``"beam"`` or ``"dsbd"`` on ``engine``'s oracle (and draft)."""
+    layout = config.layout
     if strategy == "beam":
-        if options:
-            raise ValueError(f"unknown option(s) {sorted(options)} for strategy 'beam'; known: ['layout']")
         rows, slack = (1, 4 * num_beams + 1) if layout == "tree" else (num_beams, 1)
         return BeamDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack), sampling, num_beams,
                            layout, slack)
-    if strategy != "dsbd":
+    if strategy != "dsbd" or config.dsbd is None:
         raise ValueError(f"make_beam_decoder handles strategies 'beam' and 'dsbd', got {strategy!r}")
-    cfg = dsbd_config(num_beams, options)
+    cfg = config.dsbd
     if engine.draft is None:
         raise ValueError("strategy 'dsbd' needs a draft model (Engine.from_pretrained(draft=...))")
     rows = 1 if cfg.memory_mode or layout == "tree" else num_beams
@@ -94,28 +81,6 @@ def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams
     slack = 1 + cfg.draft_width * cfg.gamma + num_beams + (4 * num_beams if layout == "tree" else 0)
     return DSBDDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack),
                        _beam_runner(engine.draft, engine.backend, rows, slack), sampling, cfg, layout, slack)
-
-
-def dsbd_config(num_beams: int, options: dict) -> DSBDConfig:
-    """Validated ``DSBDConfig`` from the user's options (missing ones take the paper defaults)."""
-    unknown = sorted(set(options) - set(DSBD_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for strategy 'dsbd'; "
-                         f"known: {list(DSBD_OPTIONS) + ['layout']}")
-    opts = {**DSBD_OPTIONS, **options}
-    for name in ("gamma", "draft_width", "w_min"):
-        check_int(name, opts[name])
-    t = opts["threshold"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
-        raise ValueError(f"threshold must be a number in [0, 1], got {t!r}")
-    for name in ("dynamic", "memory_mode"):
-        if not isinstance(opts[name], bool):
-            raise ValueError(f"{name} must be True or False, got {opts[name]!r}")
-    if opts["w_min"] > num_beams:
-        raise ValueError(f"w_min must be <= num_beams ({num_beams}), got {opts['w_min']}")
-    return DSBDConfig(width=num_beams, draft_width=opts["draft_width"], gamma=opts["gamma"],
-                      threshold=float(t), w_min=opts["w_min"], dynamic=opts["dynamic"],
-                      memory_mode=opts["memory_mode"])
 
 
 def _beam_runner(model: GPT2, backend: Backend, rows: int, extra_slots: int) -> ModelRunner:

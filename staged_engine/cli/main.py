@@ -7,7 +7,8 @@ import sys
 
 from staged_engine import server
 from staged_engine.cli import bench, build, demo
-from staged_engine.engine import STRATEGIES, Engine
+from staged_engine.config import OPTIONS, STRATEGIES
+from staged_engine.engine import Engine
 
 _EPILOG = "Run `staged-engine COMMAND --help` for the options of each command."
 
@@ -85,21 +86,20 @@ def _load_engine(args, pool_size: int = 4):
 
 
 def _options(args) -> dict:
+    """The strategy options given on the command line, under the names of ``config.OPTIONS``
+    (the engine validates them); flags map to their boolean options."""
+    flags = {"no_dynamic": ("dynamic", False), "fixed_shape": ("adaptive", False), "memory_mode": ("memory_mode", True)}
     opts = {}
-    for name in ("budget", "max_depth", "children", "expand", "chain_length", "gamma", "draft_width",
-                 "threshold", "w_min", "layout"):
+    for name in sorted({n for names in OPTIONS.values() for n in names}):
         v = getattr(args, name, None)
-        if v is not None:
+        if v is not None and not isinstance(v, bool):  # store_true flags are handled below
             opts[name] = v
-    if getattr(args, "no_dynamic", False):
-        opts["dynamic"] = False
-    if getattr(args, "fixed_shape", False):
-        opts["adaptive"] = False
-    if getattr(args, "memory_mode", False):
-        opts["memory_mode"] = True
-    if getattr(args, "ngram_widths", None):
+    for flag, (name, value) in flags.items():
+        if getattr(args, flag, False):
+            opts[name] = value
+    if isinstance(opts.get("ngram_widths"), str):
         try:
-            opts["ngram_widths"] = tuple(int(x) for x in args.ngram_widths.split(","))
+            opts["ngram_widths"] = tuple(int(x) for x in opts["ngram_widths"].split(","))
         except ValueError as exc:
             raise ValueError(f"--ngram-widths must be comma-separated integers, got {args.ngram_widths!r}") from exc
     return opts

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from staged_engine import Engine, NGramModel
-from staged_engine.engine import DEFAULT_NGRAM_WIDTHS, DEFAULT_SHAPES
+from staged_engine.config import DEFAULT_NGRAM_WIDTHS, DEFAULT_SHAPES
 from staged_engine.model.backend import TorchBackend, _cpu
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, SamplingParams

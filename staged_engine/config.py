@@ -1,0 +1,183 @@
+"""What one generation asks for, validated in one place.
+
+``GenerationConfig.make`` turns the keyword arguments of ``Engine.generate`` / ``stream`` (and of
+the CLI and the server, which pass the same names) into typed configs: the sampling rule
+(``SamplingParams``), and for the speculative strategies a ``SpecConfig`` (the tree shape, whether
+its depth adapts, the n-gram stage), for beams a ``BeamConfig`` (the cache layout and, for DSBD,
+a ``DSBDConfig``). ``OPTIONS`` is the one table of which strategy takes which option; a bad
+value or an option the strategy does not take raises ValueError naming it. What depends on the
+engine's models (is there a draft, an n-gram table) is checked by the engine.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from staged_engine.beam.core import DSBDConfig
+from staged_engine.checks import check_int, is_int
+from staged_engine.sampling import SamplingParams
+from staged_engine.spec.drafters import TreeShape
+
+STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
+
+# The largest shape of each speculative strategy, per mode. By default a generation does not
+# play it every round: spec.decoders.DepthController chooses, each round, a depth from 0 (a plain
+# step) up to this shape's, by the tokens per second each depth has delivered so far on this
+# machine and text. Pinning any shape knob (or adaptive=False) plays the shape every round.
+# Greedy drafts agree for longer runs than sampled ones, hence the deeper greedy shapes.
+DEFAULT_SHAPES = {
+    "greedy": {
+        "chain": TreeShape(budget=11, max_depth=10, children=1, expand=1),
+        "tree": TreeShape(budget=4, max_depth=3, children=2, expand=2),
+        "staged": TreeShape(budget=7, max_depth=6, children=1, expand=1),
+    },
+    "sampled": {
+        "chain": TreeShape(budget=3, max_depth=2, children=1, expand=1),
+        "tree": TreeShape(budget=4, max_depth=3, children=4, expand=4),
+        "staged": TreeShape(budget=5, max_depth=4, children=1, expand=1),
+    },
+}
+DEFAULT_NGRAM_WIDTHS = {"greedy": (1,) * 6, "sampled": (1,) * 4}
+# Speculative strategies choose their depth each round from measured throughput unless the call
+# pins a shape or passes adaptive=False.
+ADAPTIVE_DEFAULT = True
+TREE_KNOBS = ("budget", "max_depth", "children", "expand")
+# Paper defaults (Qin et al., sec. 5): gamma 4, 8 draft beams, threshold 0.7, W_min 1.
+DSBD_DEFAULTS = {"gamma": 4, "draft_width": 8, "threshold": 0.7, "w_min": 1, "dynamic": True,
+                 "memory_mode": False}
+# "tree": one cache row holding the beams' common prefix and a tree of their suffixes and drafts
+# (no padding, no row copies); "rows": one cache row per beam, as in the DSBD paper.
+LAYOUTS = ("tree", "rows")
+DEFAULT_LAYOUT = "tree"
+
+# Which strategy takes which keyword option: the one table the engine and the CLI read.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "chain": ("chain_length", "adaptive"),
+    "tree": (*TREE_KNOBS, "adaptive"),
+    "staged": (*TREE_KNOBS, "adaptive", "ngram_widths", "ngram_learn"),
+    "beam": ("layout",),
+    "dsbd": ("layout", *DSBD_DEFAULTS),
+}
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_options(strategy: str, options: dict) -> None:
+    """ValueError naming any option ``strategy`` does not take, and which strategies do take it."""
+    known = OPTIONS[strategy]
+    unknown = sorted(set(options) - set(known))
+    if not unknown:
+        return
+    if not known:
+        raise ValueError(f"strategy {strategy!r} takes no options, got {unknown}")
+    owners = {name: [s for s, names in OPTIONS.items() if name in names] for name in unknown}
+    hint = "; ".join(f"{name} is an option of {', '.join(map(repr, who))}" for name, who in owners.items() if who)
+    raise ValueError(f"unknown option(s) {unknown} for strategy {strategy!r}; known: {list(known)}"
+                     + (f" ({hint})" if hint else ""))
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """chain / tree / staged: the largest tree shape, whether the depth adapts each round, and
+    the n-gram stage's mini-tree widths (staged only)."""
+
+    shape: TreeShape
+    adaptive: bool
+    ngram_widths: tuple[int, ...] = ()
+    ngram_learn: bool = False
+
+    @classmethod
+    def from_options(cls, strategy: str, greedy: bool, options: dict) -> "SpecConfig":
+        check_options(strategy, options)
+        mode = "greedy" if greedy else "sampled"
+        shape = DEFAULT_SHAPES[mode][strategy]
+        if strategy == "chain":
+            k = check_int("chain_length", options.get("chain_length", shape.max_depth))
+            shape = TreeShape(budget=k + 1, max_depth=k, children=1, expand=1)
+        else:
+            shape = TreeShape(**{f: options.get(f, getattr(shape, f)) for f in TREE_KNOBS})
+        pinned = any(k in options for k in (*TREE_KNOBS, "chain_length"))
+        adaptive = _check_bool("adaptive", options.get("adaptive", ADAPTIVE_DEFAULT and not pinned))
+        if strategy != "staged":
+            return cls(shape, adaptive)
+        widths = options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS[mode])
+        if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__"):
+            raise ValueError(f"ngram_widths must be a non-empty sequence of integers >= 1, got {widths!r}")
+        widths = tuple(widths)
+        if not widths or any(not is_int(w) or w < 1 for w in widths):
+            raise ValueError(f"ngram_widths must be a non-empty sequence of integers >= 1, got {widths!r}")
+        return cls(shape, adaptive, widths, _check_bool("ngram_learn", options.get("ngram_learn", False)))
+
+
+@dataclass(frozen=True)
+class BeamConfig:
+    """beam / dsbd: the cache layout and, for dsbd, the DSBD knobs."""
+
+    layout: str
+    dsbd: DSBDConfig | None = None
+
+    @classmethod
+    def from_options(cls, strategy: str, num_beams: int, options: dict) -> "BeamConfig":
+        check_options(strategy, options)
+        layout = options.get("layout", DEFAULT_LAYOUT)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if strategy == "beam":
+            return cls(layout)
+        opts = {**DSBD_DEFAULTS, **{k: v for k, v in options.items() if k != "layout"}}
+        for name in ("gamma", "draft_width", "w_min"):
+            check_int(name, opts[name])
+        t = opts["threshold"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 1.0:
+            raise ValueError(f"threshold must be a number in [0, 1], got {t!r}")
+        for name in ("dynamic", "memory_mode"):
+            _check_bool(name, opts[name])
+        if opts["w_min"] > num_beams:
+            raise ValueError(f"w_min must be <= num_beams ({num_beams}), got {opts['w_min']}")
+        return cls(layout, DSBDConfig(width=num_beams, draft_width=opts["draft_width"], gamma=opts["gamma"],
+                                      threshold=float(t), w_min=opts["w_min"], dynamic=opts["dynamic"],
+                                      memory_mode=opts["memory_mode"]))
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One generation's request, validated: build it with ``make``."""
+
+    strategy: str
+    max_new_tokens: int
+    params: SamplingParams  # the seed is drawn here when sampling without one
+    num_beams: int = 1
+    stop_at_eos: bool = True
+    token_healing: bool = False
+    spec: SpecConfig | None = None  # chain / tree / staged
+    beam: BeamConfig | None = None  # beam / dsbd
+
+    @classmethod
+    def make(cls, strategy: str = "staged", max_new_tokens: int = 128, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, num_beams: int = 1,
+             stop_at_eos: bool = True, token_healing: bool = False, **options) -> "GenerationConfig":
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        check_int("max_new_tokens", max_new_tokens)
+        check_int("num_beams", num_beams)
+        if num_beams > 1 and strategy not in ("beam", "dsbd"):
+            raise ValueError(f"num_beams > 1 needs strategy 'beam' or 'dsbd', got {strategy!r}")
+        if seed is None and isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
+                and temperature > 0:
+            seed = random.getrandbits(63)
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        _check_bool("token_healing", token_healing)
+        _check_bool("stop_at_eos", stop_at_eos)
+        spec = beam = None
+        if strategy in ("chain", "tree", "staged"):
+            spec = SpecConfig.from_options(strategy, params.greedy, options)
+        elif strategy in ("beam", "dsbd"):
+            beam = BeamConfig.from_options(strategy, num_beams, options)
+        else:
+            check_options(strategy, options)
+        return cls(strategy, max_new_tokens, params, num_beams, stop_at_eos, token_healing, spec, beam)
