@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
 import time
+
+from tqdm import tqdm
 
 
 def machine() -> dict:
@@ -93,118 +94,17 @@ def publish(result: dict, markdown: str, name: str) -> str:
 
 
 def progress(msg: str) -> None:
-    """A one-off message on stderr; loops over prompts or configs use :class:`ProgressBar`."""
+    """A one-off message on stderr; loops over prompts or configs use :func:`progress_bar`."""
     print(msg, file=sys.stderr, flush=True)
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
-
-
-class ProgressBar:
-    """Progress of a loop of ``total`` steps on stderr, dependency-free.
-
-    On a terminal (``stream.isatty()``) one line is redrawn in place with ``\\r``::
-
-        [greedy] staged  |#########-----------|  45/64 prompts  12.3s elapsed, ETA 4.1s
-
-    Elsewhere (CI, a redirected log) it prints a plain line without the bar, and only when a step
-    completes and either ``every`` of the total (10%) has been done or ``min_interval`` seconds
-    (10) have passed since the last line; always a final line. Logs stay short::
-
-        [greedy] 45/64 prompts (70%)  12.3s elapsed, ETA 4.1s
-
-    ``update(advance=1, status=None)`` advances and/or changes the status text shown after the
-    label (None keeps it). Call it outside timed regions: it formats and writes. ``close()`` (or
-    leaving a ``with`` block) writes the final line. ``stream``, ``tty`` and ``clock`` are for tests.
-    """
-
-    def __init__(self, total: int, label: str = "", unit: str = "", *, status_width: int = 0,
-                 width: int = 20, every: float = 0.1, min_interval: float = 10.0,
-                 stream=None, tty: bool | None = None, clock=time.monotonic) -> None:
-        self.total, self.label, self.unit = max(0, int(total)), label, unit
-        self.status, self.status_width, self.width = "", status_width, width
-        self.every, self.min_interval = every, min_interval
-        self.stream = stream if stream is not None else sys.stderr
-        if tty is None:
-            try:
-                tty = self.stream.isatty()
-            except (AttributeError, ValueError):
-                tty = False
-        self.tty, self.clock = tty, clock
-        self.n, self.t0 = 0, clock()
-        self._last_n, self._last_t, self._drawn, self._closed = 0, self.t0, 0, False
-
-    def __enter__(self) -> "ProgressBar":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def update(self, advance: int = 1, status: str | None = None) -> None:
-        if self._closed:
-            return
-        self.n = min(self.n + advance, self.total) if self.total else self.n + advance
-        if status is not None:
-            self.status = status
-        now = self.clock()
-        if self.tty:
-            self._draw(now)
-        elif advance > 0 and (self.n >= self.total
-                              or self.n - self._last_n >= max(1.0, self.every * self.total)
-                              or now - self._last_t >= self.min_interval):
-            self._line(now)
-
-    def close(self) -> None:
-        """Write the final line (once)."""
-        if self._closed:
-            return
-        now = self.clock()
-        if self.tty:
-            self._draw(now)
-            self.stream.write("\n")
-            self.stream.flush()
-        elif self.n != self._last_n or self.n == 0:
-            self._line(now)
-        self._closed = True
-
-    def _text(self, now: float, bar: bool, room: int | None = None) -> str:
-        elapsed = now - self.t0
-        count = f"{self.n}/{self.total} {self.unit}".rstrip() if self.total else f"{self.n} {self.unit}".rstrip()
-        if not bar and self.total:
-            count += f" ({100 * self.n // self.total}%)"
-        if self.total and self.n >= self.total:
-            timing = f"{_duration(elapsed)} elapsed, done"
-        elif self.n and self.total:
-            timing = f"{_duration(elapsed)} elapsed, ETA {_duration(elapsed / self.n * (self.total - self.n))}"
-        else:
-            timing = f"{_duration(elapsed)} elapsed"
-        tail = count
-        if bar and self.total:
-            filled = self.width * self.n // self.total
-            tail = f"|{'#' * filled}{'-' * (self.width - filled)}|  {count}"
-        tail += f"  {timing}"
-        if not bar:  # a log line: the status (what the last step did) goes last
-            return "  ".join(x for x in (f"{self.label} {tail}".strip(), self.status.strip()) if x)
-        status = self.status.ljust(self.status_width)
-        if room is not None:  # keep the line within the terminal: shorten the status
-            status = status[:max(0, room - len(self.label) - len(tail) - 4)]
-        head = " ".join(x for x in (self.label, status) if x)
-        return f"{head}  {tail}" if head else tail
-
-    def _draw(self, now: float) -> None:
-        room = shutil.get_terminal_size((100, 24)).columns - 1
-        text = self._text(now, bar=True, room=room)
-        self.stream.write("\r" + text + " " * max(0, self._drawn - len(text)))
-        self.stream.flush()
-        self._drawn = len(text)
-
-    def _line(self, now: float) -> None:
-        print(self._text(now, bar=False), file=self.stream, flush=True)
-        self._last_n, self._last_t = self.n, now
+def progress_bar(total: int, label: str, unit: str):
+    """A tqdm bar on stderr for a loop of ``total`` steps: redrawn in place on a terminal; in a
+    log (CI, a redirect) refreshed at most every 10 s, so logs stay short. ``set_postfix_str``
+    shows what is running; call it and ``update`` outside timed regions."""
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, desc=label, unit=f" {unit}", file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.1 if tty else 10.0, maxinterval=10.0 if tty else 60.0)
 
 
 def add_model_and_prompt_args(ap) -> None:

@@ -38,7 +38,7 @@ import time
 
 import torch
 from common import (  # noqa: E402
-    ProgressBar,
+    progress_bar,
     add_model_and_prompt_args,
     fmt,
     load_prompts,
@@ -139,10 +139,10 @@ def run(args) -> dict:
     for s in systems:  # warm-up: one short run of each
         run_system(eng, hf, s, prompts[0]["ids"], 8, args, 0, options)
     runs: dict[str, list[dict]] = {s: [] for s in systems}
-    bar = ProgressBar(len(prompts), "[dsbd]", "prompts", status_width=max(map(len, systems)))
+    bar = progress_bar(len(prompts), "[dsbd]", "prompts")
     for i, p in enumerate(prompts):
         for s in systems:
-            bar.update(0, status=s)  # before the clocks start: the bar is never timed
+            bar.set_postfix_str(s)  # before the clocks start: the bar is never timed
             t0, c0 = time.perf_counter(), time.process_time()
             tokens, stats = run_system(eng, hf, s, p["ids"], args.new_tokens, args, i, options)
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -150,7 +150,7 @@ def run(args) -> dict:
                             "seconds": dt, "tokens_per_s": len(tokens) / dt, "cpu_seconds": cpu,
                             "tokens_per_cpu_s": len(tokens) / cpu,
                             "mean_logprob": mean_logprob(eng, p["ids"], tokens), **stats})
-        bar.update(1, status="")
+        bar.update(1)
     bar.close()
     return {"benchmark": "DSBD vs beam sampling (issue 8)", "machine": machine(),
             "oracle": oracle_dir, "draft": draft_dir, "oracle_params": eng.config.num_params,

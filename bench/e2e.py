@@ -22,7 +22,7 @@ import time
 
 import torch
 from common import (  # noqa: E402
-    ProgressBar,
+    progress_bar,
     add_model_and_prompt_args,
     fmt,
     load_prompts,
@@ -114,11 +114,11 @@ def run(args) -> dict:
         _, ids0 = encoded[0]
         for s in args.systems:
             _run_system(eng, hf, s, ids0, 16, mode, 0, options)
-        bar = ProgressBar(len(encoded), f"[{mode}]", "prompts", status_width=max(map(len, args.systems)))
+        bar = progress_bar(len(encoded), f"[{mode}]", "prompts")
         for i, (p, ids) in enumerate(encoded):
             outs = {}
             for s in args.systems:
-                bar.update(0, status=s)  # before the clock starts: the bar is never timed
+                bar.set_postfix_str(s)  # before the clock starts: the bar is never timed
                 t0 = time.perf_counter()
                 tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)
                 dt = time.perf_counter() - t0
@@ -141,7 +141,7 @@ def run(args) -> dict:
                         top2 = torch.topk(logits, 2).values
                         rec["divergence"] = {"at": d, "top2_gap": (top2[0] - top2[1]).item()}
                         rec["tie"] = (top2[0] - top2[1]).item() < TIE
-            bar.update(1, status="")
+            bar.update(1)
         bar.close()
         result["modes"][mode] = _summarise(per_system, eng, args.systems)
     return result

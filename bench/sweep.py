@@ -16,7 +16,7 @@ import os
 import statistics
 import sys
 
-from common import ProgressBar, machine, save  # noqa: E402
+from common import progress_bar, machine, save  # noqa: E402
 from e2e import load_prompts  # noqa: E402
 
 
@@ -61,9 +61,9 @@ def main(argv=None) -> int:
     rows = []
     shapes = [s for s in grid() if s[0] in args.strategies]
     mode = "sampled" if args.sampled else "greedy"
-    bar = ProgressBar(len(shapes), f"[sweep {mode}]", "shapes")
+    bar = progress_bar(len(shapes), f"[sweep {mode}]", "shapes")
     for strategy, opts in shapes:
-        bar.update(0, status=f"{strategy} {opts}")  # speeds come from the engine's own timers
+        bar.set_postfix_str(f"{strategy} {opts}")  # speeds come from the engine's own timers
         res = [eng.generate(p, strategy=strategy, seed=i, **kw, **opts) for i, p in enumerate(prompts)]
         assert all(r.token_ids == q.token_ids for r, q in zip(res, plain)), (strategy, opts)
         tps = [r.stats["tokens_per_second"] for r in res]
@@ -73,7 +73,8 @@ def main(argv=None) -> int:
                      "tokens_per_oracle_call": sum(r.stats["new_tokens"] for r in res) / calls,
                      "draft_calls_per_round": sum(r.stats["draft_calls"] for r in res) / calls,
                      "overhead_share": statistics.median(r.stats["overhead_share"] for r in res)})
-        bar.update(1, status=f"{strategy} {opts}: {rows[-1]['median_speedup_vs_plain']:.2f}x")
+        bar.set_postfix_str(f"{strategy} {opts}: {rows[-1]['median_speedup_vs_plain']:.2f}x")
+        bar.update(1)
     bar.close()
     best = {s: max((r for r in rows if r["strategy"] == s), key=lambda r: r["median_speedup_vs_plain"])
             for s in args.strategies}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import io
 import json
 import os
 import sys
@@ -19,41 +18,6 @@ def _bench_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-ProgressBar = _bench_module("common").ProgressBar
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def test_progress_log_lines_are_few_and_end_with_the_total():
-    out, clock = io.StringIO(), FakeClock()
-    bar = ProgressBar(100, "[greedy]", "prompts", stream=out, tty=False, clock=clock)
-    for _ in range(100):
-        clock.t += 0.5
-        bar.update(1, status="staged")
-    bar.close()
-    lines = out.getvalue().splitlines()
-    assert 5 <= len(lines) <= 12, lines  # every 10% (or 10 s), not every step
-    assert lines[-1].startswith("[greedy] 100/100 prompts (100%)") and "done" in lines[-1]
-    assert "\r" not in out.getvalue()
-
-
-def test_progress_bar_redraws_in_place_on_a_terminal():
-    out, clock = io.StringIO(), FakeClock()
-    with ProgressBar(4, "[sweep]", "shapes", stream=out, tty=True, clock=clock) as bar:
-        for _ in range(4):
-            clock.t += 1.0
-            bar.update(1)
-    text = out.getvalue()
-    assert text.count("\r") == 5 and text.endswith("\n")
-    assert "|####################|  4/4 shapes" in text and "ETA" in text
 
 
 def _tiny_results(d) -> None:
