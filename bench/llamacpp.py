@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tarfile
 
+from staged_engine.checks import atomic_path
+
 VERSION = "0.3.36"  # llama-cpp-python; its vendor/llama.cpp is what gets built
 
 
@@ -129,11 +131,11 @@ def convert(checkpoint: str, outtype: str) -> str:
         return out
     if not os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
         raise LlamaCppUnavailable(f"{checkpoint} has no tokenizer.json, which the GGUF converter needs")
-    code = _CONVERT.format(model=checkpoint, out=out + ".tmp", outtype=outtype)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.path.join(src, "gguf-py")]))  # llama.cpp's converter
-    _run([sys.executable, "-c", code], f"converting {checkpoint} to GGUF", os.path.join(cache_dir(), "convert.log"),
-         env=env)
-    os.replace(out + ".tmp", out)
+    with atomic_path(out) as tmp:
+        code = _CONVERT.format(model=checkpoint, out=tmp, outtype=outtype)
+        _run([sys.executable, "-c", code], f"converting {checkpoint} to GGUF",
+             os.path.join(cache_dir(), "convert.log"), env=env)
     return out
 
 
