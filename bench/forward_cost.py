@@ -76,8 +76,7 @@ def main(argv=None) -> int:
               "params": model.config.num_params, "prefix": args.prefix, "repeats": args.repeats, "curves": {}}
     backends = {"stock torch": TorchBackend(native=False)}
     if _cpu is not None:
-        backends = {"native, one call per pass": TorchBackend(native=True, fused=True),
-                    "native, per op": TorchBackend(native=True, fused=False), **backends}
+        backends = {"native, one call per pass": TorchBackend(native=True), **backends}
     for name, be in backends.items():
         progress(f"measuring {name} ...")
         c = curve(model, be, args.prefix, args.repeats, NODES)

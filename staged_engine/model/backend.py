@@ -75,15 +75,17 @@ def chain_mask(n: int, m: int, device) -> torch.Tensor:
 
 
 class TorchBackend(Backend):
-    """PyTorch on any device; on CPU in float32 its few-row products and attention run in the
-    ``_cpu`` C++ kernels (``native``), whose per-row results do not depend on the row count, so
-    a speculative round writes the same K/V bits as plain decoding. Without the extension it
-    falls back to stock torch (SDPA with an explicit mask), identical up to rounding.
+    """PyTorch on any device. On CPU in float32 (``native``) a pass over at most 64 rows runs in
+    one call of the ``_cpu`` extension (``NativeGPT2``, csrc/cpu_forward.cpp), whose per-row
+    results do not depend on the row count, so a speculative round writes the same K/V bits as
+    plain decoding. Otherwise (no extension, STAGED_ENGINE_NATIVE=0, another dtype, a longer
+    prefill) the model's own loop runs on stock torch (SDPA with an explicit mask): the
+    reference, identical up to rounding.
     """
 
     name = "torch"
 
-    def __init__(self, native: bool | None = None, fused: bool | None = None) -> None:
+    def __init__(self, native: bool | None = None) -> None:
         if native and _cpu is None:
             raise ValueError("native=True needs the staged_engine._cpu extension "
                              "(pip install --no-build-isolation -e .)")
@@ -93,43 +95,9 @@ class TorchBackend(Backend):
                 warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU",
                               stacklevel=2)
         self.native = bool(native)
-        # The whole forward pass in one native call (``_cpu.NativeGPT2``) for few rows: no torch
-        # operator inside, which for small models costs more than the arithmetic. Off, the model
-        # runs its own loop over the few-row kernels below (a reference; STAGED_ENGINE_FUSED=0).
-        if fused is None:
-            fused = os.environ.get("STAGED_ENGINE_FUSED", "1") != "0"
-        self.fused = bool(fused) and self.native
         # id(model) -> (model, layer tensors, version sum, NativeGPT2, every weight tensor)
         self._natives: dict[int, tuple] = {}
         self._warned_dtype = False
-        # weight -> its float16 twin, for weights whose values fp16 holds exactly (see stream_weight)
-        self._half: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
-
-    def stream_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """The tensor the native kernel should read for ``weight``.
-
-        Few-row products are bound by memory traffic. A checkpoint stored in fp16 and loaded as
-        fp32 holds values that fp16 represents exactly, so the kernel can stream an fp16 copy,
-        widen it in registers and produce the very same bits with half the bytes. Decided once
-        per weight (and again if the weight is modified in place).
-        """
-        entry = self._half.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[1] != weight._version:
-            half = weight.half()
-            exact = bool(torch.equal(half.float(), weight))  # inf/nan or out-of-range: keep fp32
-            entry = (weight, weight._version, half if exact else None)
-            self._half[id(weight)] = entry
-        return weight if entry[2] is None else entry[2]
-
-    def _use_native(self, t: torch.Tensor, rows: int) -> bool:
-        return self.native and rows <= NATIVE_MAX_ROWS and t.dtype == torch.float32 and t.device.type == "cpu"
-
-    def linear(self, x, weight, bias):
-        rows = x.numel() // x.shape[-1]
-        if self._use_native(x, rows):
-            y = _cpu.linear(x.reshape(rows, x.shape[-1]).contiguous(), self.stream_weight(weight), bias)
-            return y.view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight, bias)
 
     def native_model(self, model):
         """The model packed for ``_cpu.NativeGPT2``, built at first use (see ``refresh``)."""
@@ -162,7 +130,7 @@ class TorchBackend(Backend):
 
     def forward_model(self, model, tokens, positions, k, v, writes, starts, m, tree_mask, last_only):
         b, n = tokens.shape
-        if not (self.fused and b * n <= NATIVE_MAX_ROWS and k.device.type == "cpu"):
+        if not (self.native and b * n <= NATIVE_MAX_ROWS and k.device.type == "cpu"):
             return None
         if model.wte.weight.dtype != torch.float32 or k.dtype != torch.float32:
             if not self._warned_dtype:
@@ -175,7 +143,8 @@ class TorchBackend(Backend):
         return self.native_model(model).forward(tokens, positions, k, v, writes, starts, m, mask, last_only)
 
     def top_children(self, scores, k):
-        if self._use_native(scores, 1) and scores.dim() == 2 and k <= 64:
+        if self.native and scores.dtype == torch.float32 and scores.device.type == "cpu" and scores.dim() == 2 \
+                and k <= 64:
             idx, logr = _cpu.top_children(scores.contiguous(), k)
             return idx, logr
         return super().top_children(scores, k)
@@ -199,9 +168,6 @@ class TorchBackend(Backend):
         # q: (B, H, N, D); k_cache/v_cache: (B, H, S, D)
         b, _, n, _ = q.shape
         m = n_uncommitted
-        if self._use_native(q, b * n):
-            mask = tree_mask.contiguous() if tree_mask is not None else None
-            return _cpu.attention(q.contiguous(), k_cache, v_cache, starts, m, mask, scale)
         span = max(starts) + m
         keys, values = k_cache[:, :, :span], v_cache[:, :, :span]  # (B, H, span, D)
         if n == 1 and tree_mask is None and all(s == starts[0] for s in starts):

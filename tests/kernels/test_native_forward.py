@@ -52,7 +52,7 @@ STEPS = [(7, False, True), (1, False, True), (1, False, False), (4, True, False)
 def test_native_matches_stock_torch(checkpoints, name, batch, monkeypatch):
     model = load_model(checkpoints[name])
     calls = []
-    native = TorchBackend(native=True, fused=True)
+    native = TorchBackend(native=True)
     real = native.forward_model
     monkeypatch.setattr(native, "forward_model", lambda *a: calls.append(1) or real(*a))
     a, ka, va = _decode(model, native, batch, STEPS)
@@ -75,7 +75,7 @@ def test_rows_do_not_change_a_rows_bits(checkpoints, name):
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (20,), generator=g).tolist()
     new = torch.randint(0, model.config.vocab_size, (6,), generator=g).tolist()
-    one, many = (ModelRunner(model, TorchBackend(native=True, fused=True)) for _ in range(2))
+    one, many = (ModelRunner(model, TorchBackend(native=True)) for _ in range(2))
     with torch.inference_mode():
         for r in (one, many):
             r.prefill(prompt)
@@ -89,7 +89,7 @@ def test_rows_do_not_change_a_rows_bits(checkpoints, name):
         r_, a_, b_, c_ = new[:4]
         tree = many.forward_nodes([r_, a_, b_, c_], [26, 27, 27, 28],
                                   torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool))
-        alone = ModelRunner(model, TorchBackend(native=True, fused=True))
+        alone = ModelRunner(model, TorchBackend(native=True))
         alone.prefill(prompt + new)
         path = torch.stack([alone.step(t) for t in (r_, b_, c_)])
         assert torch.equal(tree[[0, 2, 3]], path)
@@ -101,7 +101,7 @@ def test_native_matches_transformers(checkpoints, name):
 
     model = load_model(checkpoints[name])
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
-    runner = ModelRunner(model, TorchBackend(native=True, fused=True))
+    runner = ModelRunner(model, TorchBackend(native=True))
     with torch.inference_mode():
         ours = runner.forward_nodes(ids[0].tolist(), list(range(40)), None)  # 40 rows: the native path
         ref = GPT2LMHeadModel.from_pretrained(checkpoints[name]).eval()(ids).logits[0]
@@ -110,7 +110,7 @@ def test_native_matches_transformers(checkpoints, name):
 
 def test_weights_changed_in_place_are_picked_up_at_the_next_generation(checkpoints):
     model = load_model(checkpoints["odd96"])
-    backend = TorchBackend(native=True, fused=True)
+    backend = TorchBackend(native=True)
     runner = ModelRunner(model, backend)
     with torch.inference_mode():
         runner.reset()
@@ -124,8 +124,32 @@ def test_weights_changed_in_place_are_picked_up_at_the_next_generation(checkpoin
     assert ((after - expected).abs().max() / expected.abs().max()).item() < 1e-5
 
 
-def test_native_is_off_without_the_native_kernels():
-    assert TorchBackend(native=False, fused=True).fused is False
+def test_stock_backend_runs_no_native_pass(checkpoints, monkeypatch):
+    model = load_model(checkpoints["odd96"])
+    backend = TorchBackend(native=False)
+    monkeypatch.setattr(backend, "native_model", lambda m: pytest.fail("the stock backend packed the model"))
+    with torch.inference_mode():
+        ModelRunner(model, backend).forward_nodes([1, 2, 3], [0, 1, 2], None)
+
+
+def test_fp16_exact_weights_are_streamed_as_fp16(checkpoints):
+    """A checkpoint whose values fp16 holds exactly (stored in fp16) is packed as fp16, half the
+    bytes, and still matches stock torch; one inexact value keeps the model in fp32."""
+    model = load_model(checkpoints["odd96"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    backend = TorchBackend(native=True)
+    native = backend.native_model(model)
+    assert native.half
+    ids, pos = [5, 9, 2, 7], [0, 1, 2, 3]
+    with torch.inference_mode():
+        got = ModelRunner(model, backend).forward_nodes(ids, pos, None)
+        ref = ModelRunner(model, TorchBackend(native=False)).forward_nodes(ids, pos, None)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    with torch.no_grad():
+        model.wte.weight[0, 0] += 1e-6  # below the fp16 spacing there: not representable
+    assert not TorchBackend(native=True).native_model(model).half
 
 
 BAD = '''
@@ -173,7 +197,7 @@ def test_bad_arguments_raise_value_error_in_a_subprocess():
 
 def test_a_dtype_the_native_path_does_not_run_falls_back_with_one_warning(checkpoints):
     model = load_model(checkpoints["odd96"]).double()
-    backend = TorchBackend(native=True, fused=True)
+    backend = TorchBackend(native=True)
     runner, ref = ModelRunner(model, backend), ModelRunner(model, TorchBackend(native=False))
     with torch.inference_mode(), pytest.warns(UserWarning, match="float32 models") as record:
         a = runner.forward_nodes([1, 2, 3], [0, 1, 2], None)
