@@ -2,7 +2,7 @@
 
 The C++ sources in csrc/ compile with torch's cpp_extension and ninja into two modules:
 ``staged_engine._ngram`` (csrc/ngram*.cpp, the n-gram draft stage) and ``staged_engine._cpu``
-(csrc/cpu_*.cpp, the native decode path and few-row CPU kernels; built with -march=native because
+(csrc/cpu_*.cpp, the native decode path and the draft's child scoring; built with -march=native because
 the extension is always compiled on the machine that runs it, and skipped on a CPU without AVX2,
 FMA and F16C, or with STAGED_ENGINE_NO_CPU_EXT=1: the runtime then falls back to stock torch with
 one warning). Install with ``pip install --no-build-isolation -e .`` so the extension builds against the
@@ -29,7 +29,7 @@ def _sources(pattern: str) -> list[str]:
 
 
 def _cpu_has_avx2() -> bool:
-    """The few-row kernels need AVX2 + FMA + F16C (or AVX-512); they are compiled with
+    """The native kernels need AVX2 + FMA + F16C (or AVX-512); they are compiled with
     -march=native for the machine that builds them. Elsewhere the runtime uses stock torch and
     says so once."""
     try:

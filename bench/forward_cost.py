@@ -2,9 +2,8 @@
 "Performance model"): the right tree budget is where this curve starts to climb.
 
 For N = 1..64 nodes (a random tree below a committed prefix), the median wall time of one
-forward pass relative to the 1-node pass, three ways, in one run: the native few-row CPU kernels
-with every block in one native call (the default), the same kernels called block by block from
-Python, and stock torch (MKL + SDPA). Writes bench/results/forward_cost.json.
+forward pass relative to the 1-node pass, two ways, in one run: the native decode path (the
+whole pass in one call, the default) and stock torch (MKL + SDPA). Writes bench/results/forward_cost.json.
 
     python bench/forward_cost.py [--oracle DIR] [--prefix 256] [--repeats 30]
 """

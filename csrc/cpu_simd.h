@@ -1,5 +1,5 @@
-// SIMD helpers shared by the few-row CPU kernels (cpu_kernels.cpp) and the native decoder
-// (cpu_forward.cpp). The extension is compiled with -march=native on the machine that runs it,
+// SIMD helpers shared by the native decoder (cpu_forward.cpp) and the child scoring (cpu_kernels.cpp)
+// The extension is compiled with -march=native on the machine that runs it,
 // so the vector width is chosen at build time: AVX-512 (16 lanes) or AVX2+FMA+F16C (8 lanes).
 #pragma once
 #include <immintrin.h>
