@@ -37,13 +37,13 @@ import sys
 import time
 
 import torch
-from common import (  # noqa: E402
-    progress_bar,
+from common import (
     add_model_and_prompt_args,
     fmt,
     load_prompts,
     machine,
-    progress,  # noqa: E402
+    progress,
+    progress_bar,
     publish,
 )
 

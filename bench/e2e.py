@@ -21,14 +21,14 @@ import sys
 import time
 
 import torch
-from common import (  # noqa: E402
-    progress_bar,
+from common import (
     add_model_and_prompt_args,
     fmt,
     load_prompts,
     loops,
     machine,
-    progress,  # noqa: E402
+    progress,
+    progress_bar,
     publish,
 )
 

@@ -16,7 +16,7 @@ import sys
 import time
 
 import torch
-from common import machine, progress, save  # noqa: E402
+from common import machine, progress, save
 
 NODES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 

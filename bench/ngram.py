@@ -37,8 +37,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from staged_engine import ngram as ngram_mod  # noqa: E402
-from staged_engine.ngram import NGramModel  # noqa: E402
+from staged_engine import ngram as ngram_mod
+from staged_engine.ngram import NGramModel
 
 PIECE = re.compile(r"\n[ \t]*|[ \t]+|\w+|[^\w\s]|\s")
 PAPER_WIDTHS = [12, 7, 4, 1, 1, 1]

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import torch
-from common import machine, publish  # noqa: E402
+from common import machine, publish
 
 
 def run(args) -> dict:

@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 import torch
-from common import machine, median, progress, save, timed  # noqa: E402
+from common import machine, median, progress, save, timed
 
 SHAPES = {
     "small": dict(n_embd=768, n_layer=12, n_head=12),

@@ -31,8 +31,8 @@ import sys
 import time
 
 import torch
-from common import machine, progress, publish  # noqa: E402
-from forward_cost import random_tree_mask  # noqa: E402
+from common import machine, progress, publish
+from forward_cost import random_tree_mask
 
 NODES = [1, 2, 4, 8, 16, 32, 64]
 GPT2_SMALL = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)

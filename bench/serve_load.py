@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from common import load_prompts, machine, progress, publish  # noqa: E402
+from common import load_prompts, machine, progress, publish
 
 
 def _free_port() -> int:

@@ -16,8 +16,8 @@ import os
 import statistics
 import sys
 
-from common import progress_bar, machine, save  # noqa: E402
-from e2e import load_prompts  # noqa: E402
+from common import machine, progress_bar, save
+from e2e import load_prompts
 
 
 def grid() -> list[tuple[str, dict]]:

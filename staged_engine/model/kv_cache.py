@@ -151,7 +151,7 @@ class KVCache:
                 self.k[:, i, :, low:span].copy_(k_src)
                 self.v[:, i, :, low:span].copy_(v_src)
         for row, path in enumerate(paths):
-            if path and (path[0] != 0 or path[-1] >= max(pending, 1)):
+            if path and (path[0] != 0 or path[-1] >= pending):
                 raise ValueError(f"reselect path {path} is not within the {pending} pending entries")
             if path != list(range(len(path))):
                 (move or move_entries)(self.k, self.v, row, length, path)
