@@ -11,8 +11,8 @@ from typing import TypedDict
 import torch
 
 from staged_engine.beam.decoders import make_beam_decoder
-from staged_engine.config import GenerationConfig, SpecConfig
 from staged_engine.checks import check_int, is_int
+from staged_engine.config import GenerationConfig, SpecConfig
 from staged_engine.demo_pair import DEMO_DIR, demo_ngram
 from staged_engine.model.backend import Backend, make_backend
 from staged_engine.model.checkpoint import load_model, load_tokenizer
