@@ -41,7 +41,7 @@ def cache_dir() -> str:
     return path
 
 
-def _run(cmd: list[str], step: str, log: str, cwd: str | None = None, env: dict | None = None) -> str:
+def run_step(cmd: list[str], step: str, log: str, cwd: str | None = None, env: dict | None = None) -> str:
     try:
         out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=3600)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -63,7 +63,7 @@ def source_dir() -> str:
     log = os.path.join(root, "build.log")
     archive = os.path.join(root, f"llama_cpp_python-{VERSION}.tar.gz")
     if not os.path.isfile(archive):
-        _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
               f"llama-cpp-python=={VERSION}", "-d", root], "downloading llama-cpp-python's source package", log)
     with tarfile.open(archive) as tar:
         tar.extractall(root, filter="data")
@@ -82,10 +82,10 @@ def llama_bench_binary() -> str:
         raise LlamaCppUnavailable("building llama.cpp needs cmake, which is not installed")
     log = os.path.join(cache_dir(), "build.log")
     print(f"building llama.cpp {VERSION} (llama-bench, CPU only; once, a few minutes) ...", file=sys.stderr, flush=True)
-    _run(["cmake", "-S", src, "-B", os.path.join(src, "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    run_step(["cmake", "-S", src, "-B", os.path.join(src, "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
           "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
           "-DLLAMA_BUILD_TOOLS=ON"], "configuring llama.cpp", log)
-    _run(["cmake", "--build", os.path.join(src, "build"), "--target", "llama-bench", "-j", str(os.cpu_count() or 2)],
+    run_step(["cmake", "--build", os.path.join(src, "build"), "--target", "llama-bench", "-j", str(os.cpu_count() or 2)],
          "building llama-bench", log)
     if not os.path.isfile(binary):
         raise LlamaCppUnavailable(f"the build finished without {binary}")
@@ -134,7 +134,7 @@ def convert(checkpoint: str, outtype: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.path.join(src, "gguf-py")]))  # llama.cpp's converter
     with atomic_path(out) as tmp:
         code = _CONVERT.format(model=checkpoint, out=tmp, outtype=outtype)
-        _run([sys.executable, "-c", code], f"converting {checkpoint} to GGUF",
+        run_step([sys.executable, "-c", code], f"converting {checkpoint} to GGUF",
              os.path.join(cache_dir(), "convert.log"), env=env)
     return out
 
@@ -144,7 +144,7 @@ def llama_bench(checkpoint: str, outtype: str, threads: int, n_gen: int = 128, r
     ``repetitions`` runs of ``n_gen`` tokens), the build and the file it ran."""
     binary = llama_bench_binary()
     gguf = convert(checkpoint, outtype)
-    out = _run([binary, "-m", gguf, "-p", "0", "-n", str(n_gen), "-t", str(threads), "-r", str(repetitions),
+    out = run_step([binary, "-m", gguf, "-p", "0", "-n", str(n_gen), "-t", str(threads), "-r", str(repetitions),
                 "-o", "json"], "running llama-bench", os.path.join(cache_dir(), "bench.log"))
     rows = json.loads(out)
     row = next(r for r in rows if r.get("n_gen") == n_gen)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from common import machine
 
 from staged_engine import ngram as ngram_mod
 from staged_engine.ngram import NGramModel
@@ -136,22 +137,10 @@ def contexts(docs: list[np.ndarray], n: int, length: int, vocab: int, seen: bool
     return out
 
 
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"node": platform.node(), "cpu": cpu, "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-
-
 def versions() -> dict[str, Any]:
     out: dict[str, Any] = {"python": platform.python_version(), "numpy": np.__version__,
                            "ngram_format": ngram_mod.FORMAT_VERSION,
-                           "ngram_extension_built": ngram_mod._ngram is not None}
+                           "ngram_extension_built": ngram_mod.cpp_available()}
     for name in ("torch", "tokenizers"):
         try:
             out[name] = __import__(name).__version__
@@ -296,7 +285,7 @@ def main() -> None:
 
     result: dict[str, Any] = {
         "benchmark": "ngram", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine_info(), "versions": versions(),
+        "machine": machine(), "versions": versions(),
         "corpus": {"root": root, "files": len(files), "tokens": n_tokens, "vocab_size": vocab,
                    "tokenization": tokenization, "tokenize_seconds": round(t_tok, 1)},
         "targets": TARGETS,

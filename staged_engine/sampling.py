@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from staged_engine.checks import is_int
+
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 _VOCAB_SALT = 0x632BE5AB
@@ -90,12 +92,12 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        if self.seed is not None and (not is_int(self.seed)
                                       or self.seed < 0 or self.seed >= 2**64):
             raise ValueError(f"seed must be an integer in [0, 2^64) or None, got {self.seed!r}")
 

@@ -71,5 +71,5 @@ def test_llama_cpp_steps_that_cannot_run_say_which_and_why(tmp_path, monkeypatch
     with pytest.raises(llamacpp.LlamaCppUnavailable, match="needs cmake"):
         llamacpp.llama_bench_binary()
     with pytest.raises(llamacpp.LlamaCppUnavailable, match=r"running the test step failed \(exit 3\)"):
-        llamacpp._run([sys.executable, "-c", "import sys; sys.exit(3)"], "running the test step",
+        llamacpp.run_step([sys.executable, "-c", "import sys; sys.exit(3)"], "running the test step",
                       str(tmp_path / "log.txt"))

@@ -3,7 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from staged_engine.config import OPTIONS, STRATEGIES, BeamConfig, GenerationConfig, SpecConfig
+from staged_engine.config import (
+    OPTIONS,
+    STRATEGIES,
+    BeamConfig,
+    GenerationConfig,
+    SpecConfig,
+)
 from staged_engine.spec.drafters import TreeShape
 
 
