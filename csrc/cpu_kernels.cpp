@@ -96,10 +96,13 @@ std::vector<torch::Tensor> top_children(const torch::Tensor& scores, int64_t k) 
 }
 
 void register_native_forward(pybind11::module& m);  // cpu_forward.cpp
+void register_sampling(pybind11::module& m);  // cpu_sampling.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_native_forward(m);
-  m.doc() = "The native CPU decode path (NativeGPT2) and the draft's child scoring (top_children)";
+  register_sampling(m);
+  m.doc() = "The native CPU decode path (NativeGPT2), the sampling rule and tree verification, the draft's "
+            "child scoring and the KV-cache path commit";
   m.def("top_children", &top_children, "k largest scores per row and their log-softmax values",
         py::arg("scores"), py::arg("k"));
 }

@@ -222,6 +222,12 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.params.greedy
 
+    @property
+    def rule(self) -> tuple:
+        """(temperature, top_k, top_p, seed): what a native kernel needs to apply this rule."""
+        p = self.params
+        return (float(p.temperature), int(p.top_k), float(p.top_p), 0 if p.seed is None else int(p.seed))
+
 
 def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,
            noise: NoiseTable | None) -> torch.Tensor:

@@ -68,6 +68,22 @@ class Backend:
         vals, idx = torch.topk(torch.log_softmax(scores.float(), dim=-1), k, dim=-1)
         return idx, vals
 
+    # The sampling rule in one native call where the backend has one (else None, and the
+    # caller runs the torch reference in sampling.py). ``rule``: (temperature, top_k, top_p, seed).
+    def choose_rows(self, logits: torch.Tensor, positions: list[int], rule: tuple) -> list[int] | None:
+        """The choice of each row of (N, V) logits for the token at positions[i]."""
+        return None
+
+    def verify_tree(self, logits: torch.Tensor, tokens: list[int], parents: list[int], positions: list[int],
+                    rule: tuple) -> tuple[list[int], list[int]] | None:
+        """ALGORITHMS.md sec. 4 over a tree's (N, V) logits, node i at positions[i]: (path, emitted)."""
+        return None
+
+    def perturbed_children(self, logits: torch.Tensor, positions: list[int], rule: tuple,
+                           k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """At T > 0: each row's k best children by perturbed score and their log r."""
+        return None
+
 
 def chain_mask(n: int, m: int, device) -> torch.Tensor:
     """(N, M) bool: new token i sees uncommitted entries j <= M - N + i."""
@@ -110,7 +126,10 @@ class TorchBackend(Backend):
         """Re-pack ``model`` if a weight was modified in place since it was packed (checked once
         per generation, by ``ModelRunner.reset``: reading 100 version counters costs ~30 us)."""
         entry = self._natives.get(id(model))
-        if entry is not None and (entry[0] is not model or entry[2] != sum(map(_VERSION, entry[4]))):
+        if entry is None:  # pack now, not inside the first timed decode step
+            if self.native and model.wte.weight.device.type == "cpu" and model.wte.weight.dtype == torch.float32:
+                self._pack(model)
+        elif entry[0] is not model or entry[2] != sum(map(_VERSION, entry[4])):
             self._pack(model)
 
     def _pack(self, model) -> tuple:
@@ -149,6 +168,28 @@ class TorchBackend(Backend):
             return idx, logr
         return super().top_children(scores, k)
 
+    def _native_rows(self, logits: torch.Tensor) -> bool:
+        return self.native and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+
+    def choose_rows(self, logits, positions, rule):
+        if not self._native_rows(logits):
+            return None
+        t, top_k, top_p, seed = rule
+        return _cpu.choose_rows(logits.contiguous(), seed or 0, positions, t, top_k, top_p)
+
+    def verify_tree(self, logits, tokens, parents, positions, rule):
+        if not self._native_rows(logits):
+            return None
+        t, top_k, top_p, seed = rule
+        return _cpu.verify_tree(logits.contiguous(), tokens, parents, seed or 0, positions, t, top_k, top_p)
+
+    def perturbed_children(self, logits, positions, rule, k):
+        t, top_k, _, seed = rule
+        if not self._native_rows(logits) or t == 0 or k > 64:
+            return None
+        idx, logr = _cpu.perturbed_children(logits.contiguous(), seed, positions, t, top_k, k)
+        return idx, logr
+
     def append_qkv(self, qkv, k_cache, v_cache, starts, n_head):
         # qkv: (B, N, 3C) -> q, k, v each (B, H, N, D)
         b, n, c3 = qkv.shape
@@ -180,7 +221,11 @@ class TorchBackend(Backend):
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
     def commit(self, k, v, row, start, path):
-        move_entries(k, v, row, start, path)
+        if self.native and k.device.type == "cpu" and k.dtype == torch.float32 and k.is_contiguous() \
+                and v.is_contiguous():
+            _cpu.kv_move(k, v, row, start, path)
+        else:
+            move_entries(k, v, row, start, path)
 
 
 class TritonBackend(Backend):

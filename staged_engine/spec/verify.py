@@ -1,11 +1,12 @@
-"""The oracle's choice and tree verification (ALGORITHMS.md sec. 3, 4): torch and Triton variants.
+"""The oracle's choice and tree verification (ALGORITHMS.md sec. 3, 4): native, Triton and torch.
 
 Every strategy emits tokens through these two functions, so one seed fixes one sequence for all
 of them: ``choose_one`` is the oracle's choice for one position (plain decoding, a round with
 nothing drafted), ``verify`` walks a drafted tree over the oracle's logits and returns the
 accepted path and the emitted tokens. The Triton variant (``staged_engine.kernels.verify``) runs
-the same rule on the device in one launch when the runner's backend is Triton; the tests hold
-both to the float64 reference in ``sampling``.
+the same rule on the device in one launch when the runner's backend is Triton, the native one
+(csrc/cpu_sampling.cpp) in one call on CPU; the torch code in ``sampling`` is the fallback, and
+the tests hold all of them to a float64 reference.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def choose_one(backend: Backend, logits: torch.Tensor, position: int, sampling: 
         p = sampling.params
         return int(kernels.choice(logits[None].contiguous(), _keys([position], sampling, logits.device),
                                   p.temperature, p.top_k, p.top_p)[0])
+    native = backend.choose_rows(logits[None], [position], sampling.rule)
+    if native is not None:
+        return native[0]
     return int(choose(logits[None], [position], sampling.params, sampling.noise)[0])
 
 
@@ -53,6 +57,9 @@ def verify(backend: Backend, tree: Tree, logits: torch.Tensor, positions: list[i
             _keys([q + 1 for q in positions], sampling, dev), p.temperature, p.top_k, p.top_p)
         path, bonus = kernels.unpack_verify(packed)
         return path, [tree.tokens[n] for n in path[1:]] + [bonus]
+    native = backend.verify_tree(logits, tree.tokens, tree.parents, positions, sampling.rule)
+    if native is not None:
+        return native
     if sampling.greedy:
         return walk(tree, logits.argmax(dim=-1).tolist().__getitem__)
 

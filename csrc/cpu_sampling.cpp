@@ -1,0 +1,495 @@
+// The oracle's choice, tree verification, the draft's perturbed child scoring and the KV-cache
+// path commit, each one native call on CPU (spec/verify.py, spec/drafters.py and
+// model/kv_cache.py call them through TorchBackend; the torch code in sampling.py is the
+// reference they are tested against).
+//
+// The rule is ALGORITHMS.md sec. 3: at T = 0 the first argmax of the logits; at T > 0 the
+// argmax over the kept tokens (top-k, then top-p) of log p'(i) + g(seed, t)[i], ties to the
+// smaller id. g is the Gumbel noise of sampling.py, bit for bit in its uniforms: a 32-bit
+// counter hash of (seed, position, token) -> u in (0, 1) -> -log(-log u). Noise is computed only
+// for tokens that can still win: g never exceeds kGumbelMax, so a token whose log p' is more
+// than kGumbelMax below the best score found so far is skipped without hashing.
+#include <torch/extension.h>
+
+#include "cpu_errors.h"
+#include "cpu_simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using namespace se_simd;
+using se_errors::fail;
+
+constexpr uint32_t kGolden = 0x9E3779B9u;
+constexpr uint32_t kVocabSalt = 0x632BE5ABu;
+// The largest u is 1 - 2^-24, so g <= -log(-log(1 - 2^-24)) = 16.6355; the margin covers the
+// rounding of float scores.
+constexpr float kGumbelMax = 16.64f + 0.01f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+inline uint32_t noise_key(uint64_t seed, int64_t position) {
+  uint32_t k = mix32(static_cast<uint32_t>(seed) ^ kGolden);
+  k = mix32(k ^ static_cast<uint32_t>(seed >> 32));
+  return mix32(k ^ static_cast<uint32_t>(position));
+}
+
+// The noise of kLanes consecutive tokens in one fixed sequence of vector operations per lane:
+// the hash in 32-bit integer lanes, u exact, then -log(-log u) with vlog (below). A token's noise
+// is the same whichever block computes it, so every caller sees the same g.
+#if defined(__AVX512F__)
+using ivec = __m512i;
+inline ivec iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+inline ivec ixor(ivec a, ivec b) { return _mm512_xor_si512(a, b); }
+inline ivec iadd(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline ivec imul(ivec a, ivec b) { return _mm512_mullo_epi32(a, b); }
+template <int N> inline ivec isrl(ivec a) { return _mm512_srli_epi32(a, N); }
+inline ivec iramp(int64_t base) {
+  return _mm512_add_epi32(iset1(static_cast<uint32_t>(base)),
+                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+inline vec itof(ivec a) { return _mm512_cvtepi32_ps(a); }
+// log x for normal x > 0 (Cephes logf: x = m 2^e with m in [sqrt(1/2), sqrt(2)], a degree-8
+// polynomial in m - 1; about 1 ulp).
+inline vec vlog(vec x) {
+  vec e = _mm512_getexp_ps(x);
+  vec m = _mm512_getmant_ps(x, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_src);
+  const __mmask16 big = _mm512_cmp_ps_mask(m, vset1(1.41421356237f), _CMP_GT_OQ);
+  m = _mm512_mask_mul_ps(m, big, m, vset1(0.5f));
+  e = _mm512_mask_add_ps(e, big, e, vset1(1.f));
+#else
+using ivec = __m256i;
+inline ivec iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+inline ivec ixor(ivec a, ivec b) { return _mm256_xor_si256(a, b); }
+inline ivec iadd(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline ivec imul(ivec a, ivec b) { return _mm256_mullo_epi32(a, b); }
+template <int N> inline ivec isrl(ivec a) { return _mm256_srli_epi32(a, N); }
+inline ivec iramp(int64_t base) {
+  return _mm256_add_epi32(iset1(static_cast<uint32_t>(base)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vec itof(ivec a) { return _mm256_cvtepi32_ps(a); }
+inline vec vlog(vec x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  vec e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
+  vec m = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32(0x007FFFFF)), _mm256_set1_epi32(0x3F800000)));
+  const vec big = _mm256_cmp_ps(m, vset1(1.41421356237f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, vmul(m, vset1(0.5f)), big);
+  e = vadd(e, _mm256_and_ps(big, vset1(1.f)));
+#endif
+  const vec t = vsub(m, vset1(1.f));
+  const vec t2 = vmul(t, t);
+  vec y = vset1(7.0376836292E-2f);
+  y = vfma(y, t, vset1(-1.1514610310E-1f));
+  y = vfma(y, t, vset1(1.1676998740E-1f));
+  y = vfma(y, t, vset1(-1.2420140846E-1f));
+  y = vfma(y, t, vset1(1.4249322787E-1f));
+  y = vfma(y, t, vset1(-1.6668057665E-1f));
+  y = vfma(y, t, vset1(2.0000714765E-1f));
+  y = vfma(y, t, vset1(-2.4999993993E-1f));
+  y = vfma(y, t, vset1(3.3333331174E-1f));
+  y = vmul(vmul(y, t), t2);
+  y = vfma(e, vset1(-2.12194440e-4f), y);
+  y = vfma(t2, vset1(-0.5f), y);
+  return vfma(e, vset1(0.693359375f), vadd(t, y));
+}
+
+inline ivec vmix32(ivec x) {
+  x = ixor(x, isrl<16>(x));
+  x = imul(x, iset1(0x7FEB352Du));
+  x = ixor(x, isrl<15>(x));
+  x = imul(x, iset1(0x846CA68Bu));
+  return ixor(x, isrl<16>(x));
+}
+
+// g(key)[token0 .. token0 + kLanes)
+inline vec vgumbel(uint32_t key, int64_t token0) {
+  const ivec k = iset1(key);
+  const ivec salt = vmix32(iadd(imul(iramp(token0), iset1(kGolden)), iset1(kVocabSalt)));
+  const ivec h = vmix32(iadd(vmix32(ixor(salt, k)), k));
+  const vec u = vmul(vadd(itof(isrl<9>(h)), vset1(0.5f)), vset1(1.0f / 8388608.0f));
+  return vsub(vzero(), vlog(vsub(vzero(), vlog(u))));
+}
+
+inline float gumbel(uint32_t key, int64_t token) {
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, vgumbel(key, token));
+  return lanes[0];
+}
+
+struct Rule {
+  float temperature;
+  int64_t top_k;
+  double top_p;
+  bool greedy() const { return temperature == 0.f; }
+};
+
+// z / T for a whole row, and its log-sum-exp.
+// z is padded with -inf to a whole number of vectors.
+float scaled_row(const float* row, int64_t V, float T, std::vector<float>& z) {
+  z.assign(((V + kLanes - 1) / kLanes) * kLanes, kNegInf);
+  for (int64_t i = 0; i < V; ++i) z[i] = row[i] / T;
+  float mx = kNegInf;
+  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, z[i]);
+  if (!std::isfinite(mx)) return mx;
+  const vec vmx = vset1(mx);
+  vec acc = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= V; i += kLanes) acc = vadd(acc, vexp(vsub(vload(z.data() + i), vmx)));
+  float sum = vsum(acc);
+  for (; i < V; ++i) sum += std::exp(z[i] - mx);
+  return mx + std::log(sum);
+}
+
+// s[i] = (z[i] - lse) + g(key)[i] for every token (padding stays -inf); returns the first argmax.
+int64_t perturbed_scores(const std::vector<float>& z, int64_t V, float lse, uint32_t key, std::vector<float>& s) {
+  const int64_t padded = static_cast<int64_t>(z.size());
+  s.resize(padded);
+  const vec vl = vset1(lse);
+  vec best = vset1(kNegInf);
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    const vec x = vadd(vsub(vload(z.data() + j), vl), vgumbel(key, j));
+    vstore(s.data() + j, x);
+    best = vmax(best, x);
+  }
+  for (int64_t j = V; j < padded; ++j) s[j] = kNegInf;
+  const float mx = vmax_all(best);
+  for (int64_t j = 0; j < V; ++j)
+    if (s[j] == mx) return j;
+  return 0;  // every score NaN
+}
+
+inline bool ranks_before(float za, int64_t a, float zb, int64_t b) { return za > zb || (za == zb && a < b); }
+
+// The k largest of z (ties to the smaller id), best first. For k <= 64 one pass keeps a sorted
+// buffer and skips every vector of z whose largest entry cannot enter it; else nth_element.
+std::vector<int64_t> top_ids(const std::vector<float>& z, int64_t k) {
+  const int64_t V = static_cast<int64_t>(z.size());
+  k = std::min(k, V);
+  if (k <= 64) {
+    float bv[64];
+    int64_t bi[64];
+    int64_t filled = 0;
+    float thresh = kNegInf;
+    auto offer = [&](int64_t j) {
+      const float x = z[j];
+      if (filled == k && !(x > thresh)) return;
+      int64_t pos = filled < k ? filled++ : k - 1;
+      while (pos > 0 && x > bv[pos - 1]) {  // strictly greater: the earlier id stays ahead
+        bv[pos] = bv[pos - 1];
+        bi[pos] = bi[pos - 1];
+        --pos;
+      }
+      bv[pos] = x;
+      bi[pos] = j;
+      if (filled == k) thresh = bv[k - 1];
+    };
+    int64_t j = 0;
+    for (; j + kLanes <= V; j += kLanes) {
+      if (filled < k || vmax_all(vload(z.data() + j)) > thresh)
+        for (int64_t u = 0; u < kLanes; ++u) offer(j + u);
+    }
+    for (; j < V; ++j) offer(j);
+    return std::vector<int64_t>(bi, bi + filled);
+  }
+  std::vector<int64_t> ids(V);
+  std::iota(ids.begin(), ids.end(), 0);
+  auto cmp = [&](int64_t a, int64_t b) { return ranks_before(z[a], a, z[b], b); };
+  if (k < V) {
+    std::nth_element(ids.begin(), ids.begin() + k, ids.end(), cmp);
+    ids.resize(k);
+  }
+  std::sort(ids.begin(), ids.end(), cmp);
+  return ids;
+}
+
+// The kept set of top-k then top-p over ids sorted best first (logp: log p' before the top-p cut,
+// over those ids); returns how many stay.
+int64_t top_p_cut(const std::vector<float>& logp, double top_p) {
+  if (top_p >= 1.0) return static_cast<int64_t>(logp.size());
+  double mass = 0.0;
+  int64_t n = 0;
+  for (float lp : logp) {
+    if (mass >= top_p) break;
+    mass += std::exp(static_cast<double>(lp));
+    ++n;
+  }
+  return std::max<int64_t>(n, 1);
+}
+
+// Best of log p'(i) + g(i) over an explicit kept list, ties to the smaller id.
+int64_t argmax_kept(const std::vector<int64_t>& ids, const std::vector<float>& logp, int64_t n, uint32_t key) {
+  // ids are best first, so logp falls: stop once even the largest noise cannot catch up.
+  int64_t best = -1;
+  float best_s = kNegInf;
+  for (int64_t j = 0; j < n; ++j) {
+    if (best >= 0 && logp[j] + kGumbelMax < best_s) break;
+    const float s = logp[j] + gumbel(key, ids[j]);
+    if (best < 0 || s > best_s || (s == best_s && ids[j] < best)) {
+      best = ids[j];
+      best_s = s;
+    }
+  }
+  return best;
+}
+
+int64_t choose_row(const float* row, int64_t V, uint32_t key, const Rule& rule, std::vector<float>& z) {
+  if (rule.greedy()) {  // the largest value in one vector pass, then its first index
+    vec m = vset1(kNegInf);
+    int64_t j = 0;
+    for (; j + kLanes <= V; j += kLanes) m = vmax(m, vload(row + j));
+    float mx = vmax_all(m);
+    for (; j < V; ++j) mx = std::max(mx, row[j]);
+    for (int64_t i = 0; i < V; ++i)
+      if (row[i] == mx) return i;
+    int64_t best = 0;  // NaN rows: the scalar rule
+    for (int64_t i = 1; i < V; ++i)
+      if (row[i] > row[best]) best = i;
+    return best;
+  }
+  const bool sparse = rule.top_k > 0 && rule.top_k < V;
+  if (sparse) {
+    z.resize(V);
+    for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
+    std::vector<int64_t> ids = top_ids(z, rule.top_k);
+    float mx = z[ids[0]];
+    double sum = 0.0;
+    for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - mx));
+    const float lse = mx + static_cast<float>(std::log(sum));
+    std::vector<float> logp(ids.size());
+    for (size_t j = 0; j < ids.size(); ++j) logp[j] = z[ids[j]] - lse;
+    const int64_t n = top_p_cut(logp, rule.top_p);
+    if (n < static_cast<int64_t>(ids.size())) {  // renormalise the kept tokens (a shift: same argmax)
+      ids.resize(n);
+      logp.resize(n);
+    }
+    return argmax_kept(ids, logp, n, key);
+  }
+  const float lse = scaled_row(row, V, rule.temperature, z);
+  std::vector<float> sc;
+  const int64_t best = perturbed_scores(z, V, lse, key, sc);
+  if (rule.top_p >= 1.0) return best;
+  // Top-p: is the winner kept? Its mass before it (tokens ranked ahead) must be < top_p.
+  const float zb = z[best];
+  const vec vzb = vset1(zb), vl = vset1(lse);
+  vec acc = vzero();
+  for (int64_t j = 0; j < static_cast<int64_t>(z.size()); j += kLanes) {  // padding is -inf: adds 0
+    const vec x = vload(z.data() + j);
+    const vec e = vexp(vsub(x, vl));
+#if defined(__AVX512F__)
+    acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(x, vzb, _CMP_GT_OQ), acc, e);
+#else
+    acc = vadd(acc, _mm256_and_ps(_mm256_cmp_ps(x, vzb, _CMP_GT_OQ), e));
+#endif
+  }
+  double before = vsum(acc);
+  for (int64_t i = 0; i < best; ++i)  // equal probability, smaller id: ranked before too
+    if (z[i] == zb) before += std::exp(static_cast<double>(z[i] - lse));
+  if (before < rule.top_p) return best;
+  // The winner is cut: the kept set is the sorted prefix holding top_p of the mass. Sort the
+  // 256 likeliest first; only when they hold less than top_p, sort everything.
+  z.resize(V);
+  std::vector<int64_t> ids;
+  std::vector<float> logp;
+  int64_t n = 0;
+  for (int64_t m = std::min<int64_t>(256, V);; m = V) {
+    ids = top_ids(z, m);
+    logp.resize(m);
+    for (int64_t j = 0; j < m; ++j) logp[j] = z[ids[j]] - lse;
+    n = top_p_cut(logp, rule.top_p);
+    if (n < m || m == V) break;
+  }
+  int64_t winner = ids[0];
+  for (int64_t j = 1; j < n; ++j)  // the kept tokens' scores, as computed above
+    if (sc[ids[j]] > sc[winner] || (sc[ids[j]] == sc[winner] && ids[j] < winner)) winner = ids[j];
+  return winner;
+}
+
+void check_logits(const torch::Tensor& t, const char* name) {
+  SE_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  SE_CHECK(t.scalar_type() == torch::kFloat32, name, " must be float32, got ", t.scalar_type());
+  SE_CHECK(t.is_contiguous(), name, " must be contiguous");
+  SE_CHECK(t.dim() == 2 && t.size(1) >= 1, name, " must be (N, V) with V >= 1, got ", t.sizes());
+}
+
+Rule make_rule(double temperature, int64_t top_k, double top_p) {
+  SE_CHECK(std::isfinite(temperature) && temperature >= 0, "temperature must be finite and >= 0, got ", temperature);
+  SE_CHECK(top_k >= 0, "top_k must be >= 0, got ", top_k);
+  SE_CHECK(top_p > 0 && top_p <= 1, "top_p must be in (0, 1], got ", top_p);
+  return Rule{static_cast<float>(temperature), top_k, top_p};
+}
+
+}  // namespace
+
+// The choice for every row of logits (N, V): row r chooses the token at positions[r].
+std::vector<int64_t> choose_rows(const torch::Tensor& logits, uint64_t seed, const std::vector<int64_t>& positions,
+                                 double temperature, int64_t top_k, double top_p) {
+  check_logits(logits, "logits");
+  const Rule rule = make_rule(temperature, top_k, top_p);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  SE_CHECK(static_cast<int64_t>(positions.size()) == N, "positions must hold one entry per row (", N, "), got ",
+           positions.size());
+  std::vector<int64_t> out(N);
+  std::vector<float> z;
+  const float* p = logits.data_ptr<float>();
+  for (int64_t r = 0; r < N; ++r) out[r] = choose_row(p + r * V, V, noise_key(seed, positions[r]), rule, z);
+  return out;
+}
+
+// ALGORITHMS.md sec. 4 over a tree of N nodes: node 0 is the root, parents[i] < i, node i's
+// logits row chooses the token at positions[i] + 1. Returns (accepted path, emitted tokens).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> verify_tree(
+    const torch::Tensor& logits, const std::vector<int64_t>& tokens, const std::vector<int64_t>& parents,
+    uint64_t seed, const std::vector<int64_t>& positions, double temperature, int64_t top_k, double top_p) {
+  check_logits(logits, "logits");
+  const Rule rule = make_rule(temperature, top_k, top_p);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  SE_CHECK(static_cast<int64_t>(tokens.size()) == N && static_cast<int64_t>(parents.size()) == N &&
+               static_cast<int64_t>(positions.size()) == N,
+           "tokens, parents and positions must hold one entry per logits row (", N, "), got ", tokens.size(), ", ",
+           parents.size(), ", ", positions.size());
+  SE_CHECK(N >= 1 && parents[0] == -1, "node 0 must be the root (parent -1)");
+  for (int64_t i = 1; i < N; ++i)
+    SE_CHECK(parents[i] >= 0 && parents[i] < i, "parents[", i, "] must be in [0, ", i, "), got ", parents[i]);
+  std::vector<int64_t> path{0}, emitted;
+  std::vector<float> z;
+  const float* p = logits.data_ptr<float>();
+  int64_t node = 0;
+  while (true) {
+    const int64_t y = choose_row(p + node * V, V, noise_key(seed, positions[node] + 1), rule, z);
+    emitted.push_back(y);
+    int64_t child = -1;
+    for (int64_t i = node + 1; i < N; ++i)
+      if (parents[i] == node && tokens[i] == y) {
+        child = i;
+        break;
+      }
+    if (child < 0) return {path, emitted};
+    path.push_back(child);
+    node = child;
+  }
+}
+
+// The draft's children of each row at T > 0: the k best tokens by the perturbed score
+// s = log p' + g (the top-p cut is not applied: drafts are guesses), and log r = s - logsumexp(s)
+// over the tokens that matter (those within kGumbelMax + 30 of the best; the rest weigh < e^-30).
+std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint64_t seed,
+                                              const std::vector<int64_t>& positions, double temperature,
+                                              int64_t top_k, int64_t k) {
+  check_logits(logits, "logits");
+  const Rule rule = make_rule(temperature, top_k, 1.0);
+  SE_CHECK(!rule.greedy(), "perturbed_children needs temperature > 0");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  SE_CHECK(static_cast<int64_t>(positions.size()) == N, "positions must hold one entry per row (", N, "), got ",
+           positions.size());
+  SE_CHECK(k >= 1 && k <= 64, "k must be in [1, 64], got ", k);
+  const bool sparse = rule.top_k > 0 && rule.top_k < V;
+  const int64_t kk = std::min(k, sparse ? rule.top_k : V);
+  auto idx = torch::empty({N, kk}, torch::dtype(torch::kInt64));
+  auto logr = torch::empty({N, kk}, torch::dtype(torch::kFloat32));
+  int64_t* ip = idx.data_ptr<int64_t>();
+  float* lp = logr.data_ptr<float>();
+  const float* p = logits.data_ptr<float>();
+  std::vector<float> z, sc;
+  std::vector<std::pair<float, int64_t>> cand;
+  for (int64_t r = 0; r < N; ++r) {
+    const uint32_t key = noise_key(seed, positions[r]);
+    const float* row = p + r * V;
+    cand.clear();
+    if (sparse) {
+      z.resize(V);
+      for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
+      const std::vector<int64_t> ids = top_ids(z, rule.top_k);
+      double sum = 0.0;
+      for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - z[ids[0]]));
+      const float lse = z[ids[0]] + static_cast<float>(std::log(sum));
+      for (int64_t id : ids) cand.emplace_back(z[id] - lse + gumbel(key, id), id);
+    } else {
+      const float lse = scaled_row(row, V, rule.temperature, z);
+      perturbed_scores(z, V, lse, key, sc);
+      sc.resize(V);
+      for (int64_t id : top_ids(sc, kk)) cand.emplace_back(sc[id], id);
+      const vec vmx = vset1(cand[0].first);
+      vec acc = vzero();
+      int64_t j = 0;
+      for (; j + kLanes <= V; j += kLanes) acc = vadd(acc, vexp(vsub(vload(sc.data() + j), vmx)));
+      double total = vsum(acc);
+      for (; j < V; ++j) total += std::exp(static_cast<double>(sc[j] - cand[0].first));
+      const float norm = cand[0].first + static_cast<float>(std::log(total));
+      for (int64_t c = 0; c < kk; ++c) {
+        ip[r * kk + c] = cand[c].second;
+        lp[r * kk + c] = cand[c].first - norm;
+      }
+      continue;
+    }
+    float mx = kNegInf;
+    for (auto& c : cand) mx = std::max(mx, c.first);
+    double sum = 0.0;
+    for (auto& c : cand) sum += std::exp(static_cast<double>(c.first - mx));
+    const float lse = mx + static_cast<float>(std::log(sum));
+    const int64_t take = std::min<int64_t>(kk, cand.size());
+    std::partial_sort(cand.begin(), cand.begin() + take, cand.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    for (int64_t j = 0; j < kk; ++j) {
+      ip[r * kk + j] = j < take ? cand[j].second : 0;
+      lp[r * kk + j] = j < take ? cand[j].first - lse : kNegInf;
+    }
+  }
+  return {idx, logr};
+}
+
+// Keep the pending entries ``path`` of one cache row: entry at slot start + path[m] moves to slot
+// start + m in every layer and head of k and v, (L, B, H, S, D) float32 (path[m] >= m, increasing).
+void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, const std::vector<int64_t>& path) {
+  for (const torch::Tensor* t : {&k, &v}) {
+    SE_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 5,
+             "k and v must be contiguous float32 CPU tensors (L, B, H, S, D)");
+  }
+  SE_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
+  const int64_t L = k.size(0), B = k.size(1), H = k.size(2), S = k.size(3), D = k.size(4);
+  SE_CHECK(row >= 0 && row < B, "row must be in [0, ", B, "), got ", row);
+  SE_CHECK(!path.empty() && start >= 0, "path must be non-empty and start >= 0");
+  for (size_t m = 0; m < path.size(); ++m) {
+    SE_CHECK(path[m] >= static_cast<int64_t>(m) && (m == 0 || path[m] > path[m - 1]),
+             "path must be strictly increasing with path[m] >= m, got ", path[m], " at ", m);
+  }
+  SE_CHECK(start + path.back() < S, "path reaches slot ", start + path.back(), " of ", S);
+  for (torch::Tensor* t : {&k, &v}) {
+    float* base = t->data_ptr<float>();
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t h = 0; h < H; ++h) {
+        float* slots = base + (((l * B + row) * H + h) * S + start) * D;
+        for (size_t m = 0; m < path.size(); ++m)
+          if (path[m] != static_cast<int64_t>(m)) std::copy_n(slots + path[m] * D, D, slots + m * D);
+      }
+  }
+}
+
+void register_sampling(pybind11::module& m) {
+  m.def("choose_rows", &choose_rows, "the sampling rule's choice for each row of logits", py::arg("logits"),
+        py::arg("seed"), py::arg("positions"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
+  m.def("verify_tree", &verify_tree, "the acceptance walk over a tree's logits: (path, emitted)",
+        py::arg("logits"), py::arg("tokens"), py::arg("parents"), py::arg("seed"), py::arg("positions"),
+        py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
+  m.def("perturbed_children", &perturbed_children, "the draft's k best children by perturbed score, and log r",
+        py::arg("logits"), py::arg("seed"), py::arg("positions"), py::arg("temperature"), py::arg("top_k"),
+        py::arg("k"));
+  m.def("kv_move", &kv_move, "commit a tree path in one cache row", py::arg("k"), py::arg("v"), py::arg("row"),
+        py::arg("start"), py::arg("path"));
+}

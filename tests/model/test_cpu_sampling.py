@@ -1,0 +1,176 @@
+"""The sampling rule, tree verification, the draft's perturbed child scoring and the KV path
+commit in the native CPU extension (csrc/cpu_sampling.cpp), each against an independent
+reference: float64 Gumbel-max over a kept set built by a float64 sort, a brute-force tree walk,
+the torch reference in sampling.py, and plain tensor copies."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from staged_engine.model.backend import _cpu
+from staged_engine.model.kv_cache import move_entries
+from staged_engine.sampling import NoiseTable, SamplingParams, choose, gumbel_noise, vocab_salt
+
+pytestmark = pytest.mark.skipif(_cpu is None, reason="staged_engine._cpu is not built")
+
+
+def _reference(row: torch.Tensor, seed: int, position: int, t: float, top_k: int, top_p: float) -> int:
+    """ALGORITHMS.md sec. 3 in float64: the kept set by a stable sort, then argmax of log p' + g."""
+    v = row.numel()
+    if t == 0:
+        return int(row.argmax())
+    z = row.double() / t
+    order = sorted(range(v), key=lambda i: (-float(z[i]), i))
+    if 0 < top_k < v:
+        order = order[:top_k]
+    zk = torch.tensor([float(z[i]) for i in order], dtype=torch.float64)
+    logp = torch.log_softmax(zk, 0)
+    kept, mass = [], 0.0
+    for j, tok in enumerate(order):
+        if mass >= top_p:
+            break
+        kept.append((tok, float(logp[j])))
+        mass += math.exp(float(logp[j]))
+    g = gumbel_noise(seed, position, vocab_salt(v)).double()
+    return max(kept, key=lambda kl: (kl[1] + float(g[kl[0]]), -kl[0]))[0]
+
+
+@pytest.mark.parametrize("t,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 0, 0.95), (0.7, 0, 0.3),
+                                           (1.0, 50, 1.0), (1.3, 5, 0.9), (1.0, 100, 1.0), (0.9, 300, 0.5)])
+def test_choose_rows_equals_the_float64_rule(t, top_k, top_p):
+    g = torch.Generator().manual_seed(int(t * 100) + top_k)
+    v, mismatches = 499, 0
+    for trial in range(120):
+        logits = torch.randn(3, v, generator=g) * float(torch.rand(1, generator=g) * 6 + 0.5)
+        seed = trial * 7919 + 1
+        positions = [trial, trial + 1, 1000 + trial]
+        got = _cpu.choose_rows(logits, seed, positions, t, top_k, top_p)
+        want = [_reference(logits[r], seed, positions[r], t, top_k, top_p) for r in range(3)]
+        mismatches += sum(a != b for a, b in zip(got, want))
+    assert mismatches == 0
+
+
+def test_choose_rows_agrees_with_the_torch_rule_and_breaks_ties_by_id():
+    v = 300
+    logits = torch.randn(4, v, generator=torch.Generator().manual_seed(5)) * 3
+    logits[1, 10:20] = logits[1].max() + 1.0  # ten tokens tied at the top
+    logits[2] = 0.0  # every token tied
+    for seed in range(200):
+        for params in (SamplingParams(1.0, 0, 1.0, seed), SamplingParams(0.8, 0, 0.95, seed),
+                       SamplingParams(1.0, 50, 1.0, seed)):
+            want = choose(logits, [3, 4, 5, 6], params, NoiseTable(seed, v)).tolist()
+            assert _cpu.choose_rows(logits, seed, [3, 4, 5, 6], params.temperature, params.top_k,
+                                    params.top_p) == want
+    assert _cpu.choose_rows(logits, 0, [0] * 4, 0.0, 0, 1.0)[1] == 10  # greedy: the first maximum
+
+
+def _walk(tokens, parents, logits, seed, positions, t, top_k, top_p):
+    node, path, emitted = 0, [0], []
+    while True:
+        y = _reference(logits[node], seed, positions[node] + 1, t, top_k, top_p)
+        emitted.append(y)
+        child = next((i for i in range(len(tokens)) if parents[i] == node and tokens[i] == y), None)
+        if child is None:
+            return path, emitted
+        path.append(child)
+        node = child
+
+
+@pytest.mark.parametrize("t,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
+def test_verify_tree_equals_a_brute_force_walk(t, top_k, top_p):
+    g = torch.Generator().manual_seed(11)
+    v, deep = 40, 0
+    for trial in range(40):
+        logits = torch.randn(12, v, generator=g) * 3
+        tokens, parents = [int(torch.randint(v, (1,), generator=g))], [-1]
+        for i in range(1, 12):
+            p = int(torch.randint(i, (1,), generator=g))
+            tok = int(logits[p].argmax()) if torch.rand(1, generator=g) < 0.6 else int(torch.randint(v, (1,), generator=g))
+            if any(parents[j] == p and tokens[j] == tok for j in range(i)):
+                tok = (tok + 1 + i) % v
+                if any(parents[j] == p and tokens[j] == tok for j in range(i)):
+                    tokens.append(tokens[-1])
+                    parents.append(parents[-1])
+                    break
+            tokens.append(tok)
+            parents.append(p)
+        n = len(tokens)
+        positions = [50 + trial + (0 if parents[i] < 0 else 1) for i in range(n)]
+        got = _cpu.verify_tree(logits[:n].contiguous(), tokens, parents, 99 + trial, positions, t, top_k, top_p)
+        assert tuple(map(list, got)) == _walk(tokens, parents, logits, 99 + trial, positions, t, top_k, top_p)
+        deep += len(got[0]) > 1
+    assert deep >= 5
+
+
+@pytest.mark.parametrize("top_k", [0, 30])
+def test_perturbed_children_are_the_best_perturbed_scores(top_k):
+    """The k best tokens by log p' + g (dense torch reference) and log r = score - logsumexp."""
+    g = torch.Generator().manual_seed(top_k)
+    v = 257
+    logits = torch.randn(5, v, generator=g) * 2
+    positions = [7, 8, 9, 10, 11]
+    idx, logr = _cpu.perturbed_children(logits, 3, positions, 0.9, top_k, 4)
+    for r in range(5):
+        z = torch.log_softmax(logits[r].double() / 0.9, 0)
+        if top_k:
+            keep = sorted(range(v), key=lambda i: (-float(logits[r, i]), i))[:top_k]
+            mask = torch.full((v,), float("-inf"), dtype=torch.float64)
+            mask[keep] = 0.0
+            z = torch.log_softmax(z + mask, 0)
+        s = z + gumbel_noise(3, positions[r], vocab_salt(v)).double()
+        want = sorted(range(v), key=lambda i: (-float(s[i]), i))[:4]
+        assert idx[r].tolist() == want
+        lse = torch.logsumexp(s[torch.isfinite(s)], 0)
+        assert torch.allclose(logr[r].double(), s[want] - lse, atol=1e-4)
+
+
+def test_kv_move_equals_tensor_copies():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 2, 4, 20, 8, generator=g)
+    v = torch.randn(3, 2, 4, 20, 8, generator=g)
+    for path in ([0, 2, 5], [0, 1, 2], [0, 3], [0, 1, 4, 6, 9]):
+        k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+        move_entries(k1, v1, 1, 6, path)
+        _cpu.kv_move(k2, v2, 1, 6, path)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+_BAD = r"""
+import torch
+from staged_engine import _cpu
+x = torch.randn(2, 30)
+k = torch.zeros(2, 1, 2, 8, 4)
+cases = [
+    ("positions must hold one entry per row", lambda: _cpu.choose_rows(x, 1, [0], 1.0, 0, 1.0)),
+    ("temperature must be finite", lambda: _cpu.choose_rows(x, 1, [0, 1], float("nan"), 0, 1.0)),
+    ("top_p must be in (0, 1]", lambda: _cpu.choose_rows(x, 1, [0, 1], 1.0, 0, 0.0)),
+    ("logits must be float32", lambda: _cpu.choose_rows(x.double(), 1, [0, 1], 1.0, 0, 1.0)),
+    ("parents[1] must be in", lambda: _cpu.verify_tree(x, [1, 2], [-1, 5], 0, [0, 1], 0.0, 0, 1.0)),
+    ("node 0 must be the root", lambda: _cpu.verify_tree(x, [1, 2], [0, 0], 0, [0, 1], 0.0, 0, 1.0)),
+    ("tokens, parents and positions", lambda: _cpu.verify_tree(x, [1], [-1], 0, [0], 0.0, 0, 1.0)),
+    ("k must be in [1, 64]", lambda: _cpu.perturbed_children(x, 1, [0, 1], 1.0, 0, 65)),
+    ("needs temperature > 0", lambda: _cpu.perturbed_children(x, 1, [0, 1], 0.0, 0, 2)),
+    ("path reaches slot", lambda: _cpu.kv_move(k, k.clone(), 0, 6, [0, 1, 3])),
+    ("row must be in", lambda: _cpu.kv_move(k, k.clone(), 1, 0, [0, 1])),
+    ("strictly increasing", lambda: _cpu.kv_move(k, k.clone(), 0, 0, [0, 0])),
+]
+for expected, call in cases:
+    try:
+        call()
+    except ValueError as exc:
+        assert expected in str(exc), (expected, str(exc))
+    else:
+        raise AssertionError("no error for " + expected)
+print("ok", len(cases))
+"""
+
+
+def test_bad_inputs_raise_value_error_in_a_subprocess():
+    """Every bound is checked before it is read; run in a child so a crash fails one test."""
+    out = subprocess.run([sys.executable, "-c", _BAD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("ok")
