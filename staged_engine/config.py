@@ -20,27 +20,18 @@ from staged_engine.spec.drafters import TreeShape
 
 STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
 
-# The largest shape of each speculative strategy, per mode. By default a generation does not
-# play it every round: spec.decoders.DepthController chooses, each round, a depth from 0 (a plain
-# step) up to this shape's, by the tokens per second each depth has delivered so far on this
-# machine and text. Pinning any shape knob (or adaptive=False) plays the shape every round.
-# Greedy drafts agree for longer runs than sampled ones, hence the deeper greedy shapes.
-DEFAULT_SHAPES = {
-    "greedy": {
-        "chain": TreeShape(budget=11, max_depth=10, children=1, expand=1),
-        "tree": TreeShape(budget=4, max_depth=3, children=2, expand=2),
-        "staged": TreeShape(budget=7, max_depth=6, children=1, expand=1),
-    },
-    "sampled": {
-        "chain": TreeShape(budget=3, max_depth=2, children=1, expand=1),
-        "tree": TreeShape(budget=4, max_depth=3, children=4, expand=4),
-        "staged": TreeShape(budget=5, max_depth=4, children=1, expand=1),
-    },
+# The largest tree each speculative strategy may build. These are limits, not tuned shapes: by
+# default spec.planner.RoundPlanner decides every round, from this machine's measured forward
+# costs and the acceptance it observes, how many draft passes to run and which nodes to verify
+# (none: a plain step). Pinning any shape knob plays that shape every round instead (unless the
+# call also passes adaptive=True, which plans within the pinned limits).
+SHAPE_LIMITS = {
+    "chain": TreeShape(budget=17, max_depth=16, children=1, expand=1),
+    "tree": TreeShape(budget=32, max_depth=12, children=4, expand=4),
+    "staged": TreeShape(budget=17, max_depth=16, children=1, expand=1),
 }
-DEFAULT_NGRAM_WIDTHS = {"greedy": (1,) * 6, "sampled": (1,) * 4}
-# Speculative strategies choose their depth each round from measured throughput unless the call
-# pins a shape or passes adaptive=False.
-ADAPTIVE_DEFAULT = True
+# The n-gram stage's mini-tree below the draft's best path: a chain of its 6 likeliest tokens.
+DEFAULT_NGRAM_WIDTHS = (1,) * 6
 TREE_KNOBS = ("budget", "max_depth", "children", "expand")
 # Paper defaults (Qin et al., sec. 5): gamma 4, 8 draft beams, threshold 0.7, W_min 1.
 DSBD_DEFAULTS = {"gamma": 4, "draft_width": 8, "threshold": 0.7, "w_min": 1, "dynamic": True,
@@ -83,8 +74,8 @@ def check_options(strategy: str, options: dict) -> None:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """chain / tree / staged: the largest tree shape, whether the depth adapts each round, and
-    the n-gram stage's mini-tree widths (staged only)."""
+    """chain / tree / staged: the tree shape (the planner's limits when ``adaptive``, else the
+    shape every round plays), and the n-gram stage's mini-tree widths (staged only)."""
 
     shape: TreeShape
     adaptive: bool
@@ -92,20 +83,19 @@ class SpecConfig:
     ngram_learn: bool = False
 
     @classmethod
-    def from_options(cls, strategy: str, greedy: bool, options: dict) -> "SpecConfig":
+    def from_options(cls, strategy: str, options: dict) -> "SpecConfig":
         check_options(strategy, options)
-        mode = "greedy" if greedy else "sampled"
-        shape = DEFAULT_SHAPES[mode][strategy]
+        shape = SHAPE_LIMITS[strategy]
         if strategy == "chain":
             k = check_int("chain_length", options.get("chain_length", shape.max_depth))
             shape = TreeShape(budget=k + 1, max_depth=k, children=1, expand=1)
         else:
             shape = TreeShape(**{f: options.get(f, getattr(shape, f)) for f in TREE_KNOBS})
         pinned = any(k in options for k in (*TREE_KNOBS, "chain_length"))
-        adaptive = _check_bool("adaptive", options.get("adaptive", ADAPTIVE_DEFAULT and not pinned))
+        adaptive = _check_bool("adaptive", options.get("adaptive", not pinned))
         if strategy != "staged":
             return cls(shape, adaptive)
-        widths = options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS[mode])
+        widths = options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS)
         if isinstance(widths, (str, bytes)) or not hasattr(widths, "__iter__"):
             raise ValueError(f"ngram_widths must be a non-empty sequence of integers >= 1, got {widths!r}")
         widths = tuple(widths)
@@ -175,7 +165,7 @@ class GenerationConfig:
         _check_bool("stop_at_eos", stop_at_eos)
         spec = beam = None
         if strategy in ("chain", "tree", "staged"):
-            spec = SpecConfig.from_options(strategy, params.greedy, options)
+            spec = SpecConfig.from_options(strategy, options)
         elif strategy in ("beam", "dsbd"):
             beam = BeamConfig.from_options(strategy, num_beams, options)
         else:

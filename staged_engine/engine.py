@@ -19,8 +19,10 @@ from staged_engine.model.checkpoint import load_model, load_tokenizer
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, choose
+from staged_engine.spec.cost import CostProfile, load_or_measure
 from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
+from staged_engine.spec.planner import PlannerMemory, RoundPlanner
 
 # Token healing favours keeping the prompt's own last token by this many logits, as HF
 # transformers does, so that 'http' is not healed to 'https' on a whim.
@@ -45,7 +47,7 @@ class GenerationStats(TypedDict, total=False):
     accepted_lengths: list[int]  # tokens emitted per round
     relative_memory_traffic: float  # weight bytes read over plain decoding's
     healed_token: int  # with token_healing: the prompt token that was replaced
-    adaptive: dict  # adaptive speculation: rounds and tokens/s per depth
+    planner: dict  # planned speculation: drafted and plain rounds, calibrated acceptance, cost scales
     # beam / dsbd: num_beams, layout, beam_scores, beam_token_ids, best_beam, beam_widths, ...
 
 
@@ -150,6 +152,11 @@ class Engine:
         self._pool = StatePool(pool_size, pool_timeout)
         self._healer = None
         self._healer_lock = threading.Lock()
+        self._profiles: dict[str, CostProfile] = {}
+        self._memories: dict[tuple, PlannerMemory] = {}
+        self._profile_lock = threading.Lock()
+        # how each cost profile was obtained: "cached", "measured" or "re-measured"
+        self.profile_sources: dict[str, str] = {}
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -257,14 +264,64 @@ class Engine:
         return {"weights": weights, "per_state": per_state, "pool_size": self._pool.size,
                 "states_allocated": self._pool.states(), "total": weights + per_state * self._pool.states()}
 
+    def cost_profile(self, which: str = "oracle", force: bool = False) -> CostProfile:
+        """The measured forward cost of ``which`` ("oracle", "draft" or "draft2") on this
+        machine: loaded from the user's cache, or measured (about a second) and cached. ``force``
+        measures it again."""
+        model = {"oracle": self.oracle, "draft": self.draft, "draft2": self.draft2}.get(which)
+        if model is None:
+            raise ValueError(f"which must name a model this engine has ('oracle', 'draft', 'draft2'), got {which!r}")
+        with self._profile_lock:
+            prof = None if force else self._profiles.get(which)
+            if prof is None:
+                with torch.inference_mode():
+                    prof, how = load_or_measure(model, self.backend, lambda: ModelRunner(model, self.backend),
+                                                force=force)
+                self.profile_sources[which] = how
+                self._profiles[which] = prof
+            return prof
+
+    def _planner_memory(self, config: GenerationConfig) -> PlannerMemory:
+        """What the planner learned so far for this strategy, shape and sampling rule (kept for
+        the 32 most recent combinations)."""
+        p = config.params
+        key = (config.strategy, config.spec.shape, config.spec.ngram_widths, p.temperature, p.top_k, p.top_p)
+        with self._profile_lock:
+            memory = self._memories.pop(key, None) or PlannerMemory()
+            self._memories[key] = memory  # most recent last
+            while len(self._memories) > 32:
+                self._memories.pop(next(iter(self._memories)))
+            return memory
+
+    def _check_shape(self, config: GenerationConfig) -> None:
+        """A pinned shape must fit the context window; the error names the option."""
+        spec = config.spec
+        if spec is None:
+            return
+        n_ctx = self.config.n_positions
+        depth_name = "chain_length" if config.strategy == "chain" else "max_depth"
+        if spec.shape.max_depth > n_ctx - 2:
+            raise ValueError(f"{depth_name}={spec.shape.max_depth} cannot fit the context window of "
+                             f"{n_ctx} tokens: it must be at most {n_ctx - 2}")
+        if config.strategy != "chain" and spec.shape.budget > n_ctx:
+            raise ValueError(f"budget={spec.shape.budget} cannot fit the context window of {n_ctx} "
+                             f"tokens: it must be at most {n_ctx}")
+
     def _decoder(self, state: dict, config: GenerationConfig, sampling: SamplingConfig) -> Decoder:
         oracle = self._runner(state, "oracle", self.oracle)
         if config.spec is not None:
             drafter = self._drafter(state, config.strategy, config.spec, sampling)
-            return SpeculativeDecoder(oracle, sampling, drafter, config.strategy, config.spec.adaptive)
+            factory = None
+            if config.spec.adaptive:
+                costs = (self.cost_profile("oracle"), self.cost_profile("draft"))
+                shape = config.spec.shape
+                memory = self._planner_memory(config)
+                factory = lambda: RoundPlanner(*costs, shape.budget, shape.max_depth, memory)  # noqa: E731
+            stop = self.eos_token_id if config.stop_at_eos else None
+            return SpeculativeDecoder(oracle, sampling, drafter, config.strategy, factory, stop)
         if config.beam is not None:
             return make_beam_decoder(self, config.strategy, sampling, config.num_beams, config.beam)
-        return PlainDecoder(oracle, sampling)
+        return PlainDecoder(oracle, sampling, self.eos_token_id if config.stop_at_eos else None)
 
     def _drafter(self, state: dict, strategy: str, spec: SpecConfig, sampling: SamplingConfig) -> ModelDrafter:
         if self.draft is None:
@@ -313,6 +370,7 @@ class Engine:
         first yield is the healed token alone, and ``stats["healed_token"]`` names the prompt
         token it replaced."""
         ids = self.encode(prompt)
+        self._check_shape(config)
         sampling = SamplingConfig.make(config.params, self.config.vocab_size, self.device)
         state = self._pool.acquire()
         try:

@@ -5,6 +5,7 @@ import pytest
 
 from staged_engine.config import (
     OPTIONS,
+    SHAPE_LIMITS,
     STRATEGIES,
     BeamConfig,
     GenerationConfig,
@@ -23,11 +24,14 @@ def test_every_option_is_refused_by_the_strategies_that_do_not_take_it():
 
 def test_pinning_a_knob_pins_the_shape():
     cfg = GenerationConfig.make("tree", budget=6, max_depth=3)
-    assert cfg.spec == SpecConfig(TreeShape(budget=6, max_depth=3, children=2, expand=2), adaptive=False)
+    limits = SHAPE_LIMITS["tree"]
+    assert cfg.spec == SpecConfig(TreeShape(budget=6, max_depth=3, children=limits.children, expand=limits.expand),
+                                  adaptive=False)
     assert GenerationConfig.make("chain", chain_length=4).spec.shape == TreeShape(5, 4, 1, 1)
     assert GenerationConfig.make("chain").spec.adaptive is True
     staged = GenerationConfig.make("staged", temperature=0.8, seed=1, ngram_widths=[3, 1])
-    assert staged.spec.ngram_widths == (3, 1) and staged.spec.shape.max_depth == 4  # the sampled default
+    assert staged.spec.ngram_widths == (3, 1) and staged.spec.adaptive  # n-gram widths pin no shape
+    assert staged.spec.shape == SHAPE_LIMITS["staged"]
     assert GenerationConfig.make("dsbd", num_beams=4, gamma=2).beam.dsbd.gamma == 2
     assert GenerationConfig.make("beam", num_beams=2, layout="rows").beam == BeamConfig("rows")
 

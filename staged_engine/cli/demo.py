@@ -47,9 +47,9 @@ def run(args) -> int:
         calls = sum(s["oracle_calls"] for _, s, _ in rows)
         same = all(x for _, _, x in rows)
         all_same &= same
-        arms = [s.get("adaptive", {}) for _, s, _ in rows]
-        total = sum(a["rounds"] for arm in arms for a in arm.values())
-        plain_steps = sum(arm.get("0", {}).get("rounds", 0) for arm in arms)
+        plans = [s["planner"] for _, s, _ in rows if "planner" in s]
+        total = sum(pl["drafted_rounds"] + pl["plain_rounds"] for pl in plans)
+        plain_steps = sum(pl["plain_rounds"] for pl in plans)
         chosen = (f", {plain_steps / total:.0%} of rounds chosen as plain steps (drafting did not pay there)"
                   if total else "")
         summary.append(f"{mode}: plain {tp:.0f} tok/s, {strategy} {ts:.0f} tok/s, speedup {ts / tp:.2f}x, "

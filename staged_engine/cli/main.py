@@ -6,7 +6,7 @@ import json
 import sys
 
 from staged_engine import server
-from staged_engine.cli import bench, build, demo
+from staged_engine.cli import bench, build, demo, profile
 from staged_engine.config import OPTIONS, STRATEGIES
 from staged_engine.engine import Engine
 
@@ -26,10 +26,10 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-text token")
     g.add_argument("--token-healing", action="store_true",
                    help="back up over the prompt's last token and let the first new token extend it")
-    s = p.add_argument_group("speculation knobs: the depth of each round is chosen from measured throughput; "
-                             "giving any shape knob pins the shape")
+    s = p.add_argument_group("speculation knobs: by default each round drafts and verifies what pays on this "
+                             "machine (see `staged-engine profile`); giving any shape knob pins the shape")
     s.add_argument("--fixed-shape", action="store_true",
-                   help="speculate with the default shape every round instead of choosing the depth")
+                   help="play the strategy's largest shape every round instead of planning each round")
     s.add_argument("--budget", type=int, help="tree nodes per oracle pass, root included")
     s.add_argument("--max-depth", type=int, help="deepest tree node")
     s.add_argument("--children", type=int, help="children offered per draft-evaluated node")
@@ -59,6 +59,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_demo(args) -> int:
     return demo.run(args)
+
+
+def _cmd_profile(args) -> int:
+    return profile.run(args, _load_engine(args, pool_size=1))
 
 
 def _cmd_serve(args) -> int:
@@ -172,6 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     _add_sampling_args(p)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("profile", help="measure (or show the cached) forward cost of each model on this machine",
+                       description="Print the seconds of a forward pass over 1-64 new nodes at a short and a "
+                                   "long context for the oracle and each draft: the cost model the round "
+                                   "planner prices speculation with. It is measured at first use (about a "
+                                   "second) and cached per model, machine, thread count and library "
+                                   "versions under $STAGED_ENGINE_CACHE/profiles.")
+    p.add_argument("--force", action="store_true", help="measure again even if a cached profile exists")
+    p.add_argument("--plot", metavar="PNG", help="also draw the profile into this PNG file (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="also print the profile as JSON")
+    _engine_args(p)
+    p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser(
         "serve", help="an OpenAI-compatible completions server (the demo pair by default)",

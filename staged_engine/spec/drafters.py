@@ -10,6 +10,7 @@ oracle decides what is emitted, so nothing here can change the output.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class DraftRound:
     tree: Tree
     draft_nodes: list[int]
     slots: list[int]
+    logr: list[float] | None = None  # per node of ``tree``: the draft's log r given its parent
 
 
 # An n-gram table is shared by every generation of an Engine, and ngram_learn writes to it:
@@ -164,6 +166,10 @@ class ModelDrafter:
         softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses).
         """
         k = min(self.shape.children, logits.shape[-1])
+        if not self.sampling.greedy:
+            native = self.runner.backend.perturbed_children(logits, positions, self.sampling.rule, k)
+            if native is not None:
+                return native[0].tolist(), native[1].tolist()
         sparse = perturbed_top(logits, positions, self.sampling.params, self.sampling.noise)
         if sparse is not None:  # top-k sampling: only the kept tokens can be children
             ids, scores = sparse
@@ -174,9 +180,15 @@ class ModelDrafter:
         return idx.tolist(), vals.tolist()
 
     # ----------------------------------------------------------------- tree building
-    def build(self, root_position: int, budget: int, max_depth: int) -> DraftRound:
+    def build(self, root_position: int, budget: int, max_depth: int, planner=None) -> DraftRound:
         """Build the oracle's tree for this round: at most ``budget`` nodes in topological
-        order, depth <= max_depth (a lone root when nothing is worth drafting)."""
+        order, depth <= max_depth (a lone root when nothing is worth drafting).
+
+        With a ``planner`` (``spec.planner.RoundPlanner``) a pass runs only while it is worth its
+        cost, and the nodes kept are those worth verifying; else every pass the shape allows
+        runs and the ``budget`` best-scored nodes are kept."""
+        if self._chain_only():
+            return self._build_chain(root_position, budget, max_depth, planner)
         runner = self.runner
         tree = Tree(self.unseen[-1])
         logscore = [0.0]  # log of the cumulative draft probability
@@ -193,6 +205,11 @@ class ModelDrafter:
             cand = cand[:max(0, room - slots.count - (len(self.unseen) if slot[0] < 0 else 0))]
             if not cand:
                 break
+            if planner is not None and slot[0] >= 0:
+                value = planner.node_values(tree, self._logr(tree, logscore))
+                verified = sum(1 for n in range(1, len(tree)) if value[n] > 0.05)
+                if not planner.another_pass([value[c] for c in cand], len(cand) + self._inner_rows(), verified):
+                    break
             first_slot = slots.count
             tokens: list[int] = []
             positions: list[int] = []
@@ -213,6 +230,8 @@ class ModelDrafter:
                 expand_rows.append((len(tokens) - 1, node))
             mini = self._hang_mini_tree(tree, expand_rows, tokens, positions,
                                         slots, first_slot, root_position, max_depth, room)
+            if planner is not None:
+                planner.note_pass(len(tokens))
             logits = runner.forward_nodes(tokens, positions, slots.mask(first_slot, runner.device))
             # Children of every evaluated row; n-gram rows only count where the draft agrees.
             rows = [r for r, _ in expand_rows] + [r for r, _, _ in mini]
@@ -232,13 +251,118 @@ class ModelDrafter:
                 frontier.discard(node)
                 if tree.depths[node] < max_depth:
                     self._add_children(tree, logscore, slot, frontier, node, *per_row[r])
-        keep = sorted(range(1, len(tree)), key=lambda n: (-logscore[n], n))[:budget - 1]
-        keep = [0] + sorted(keep)  # best-scored nodes are prefix-closed; index order is topological
+        logr = self._logr(tree, logscore)
+        if planner is not None:
+            keep = planner.select(tree, planner.node_values(tree, logr), budget)
+        else:
+            keep = sorted(range(1, len(tree)), key=lambda n: (-logscore[n], n))[:budget - 1]
+            keep = [0] + sorted(keep)  # best-scored nodes are prefix-closed; index order is topological
         new_index = {old: i for i, old in enumerate(keep)}
         out = Tree(tree.tokens[0])
         for old in keep[1:]:
             out.add(new_index[tree.parents[old]], tree.tokens[old])
-        return DraftRound(out, keep, slot)
+        return DraftRound(out, keep, slot, [logr[old] for old in keep])
+
+    def _chain_only(self) -> bool:
+        """One child per node and at most an n-gram chain below: the chain builder applies."""
+        if self.shape.children != 1:
+            return False
+        return self.inner is None or (isinstance(self.inner, NGramDrafter) and all(w == 1 for w in self.inner.widths))
+
+    def _build_chain(self, root_position: int, budget: int, max_depth: int, planner) -> DraftRound:
+        """``build`` for a draft offering one child per node: a chain, with no ranking.
+
+        Each pass evaluates the chain's tip (the first pass also the unseen tokens) and, with an
+        n-gram stage, the n-gram's chain below the tip: every n-gram node the draft agrees with
+        is evaluated for free, so one pass can extend the chain by several nodes. The n-gram
+        rows after a disagreement stay in the draft's cache as dead entries, masked from later
+        passes and dropped at acceptance."""
+        runner = self.runner
+        unseen = self.unseen
+        root = unseen[-1]
+        base = runner.length
+        room = min(runner.max_len, runner.model.config.n_positions) - base
+        max_depth = min(max_depth, room - len(unseen), budget - 1)
+        if max_depth <= 0:
+            return DraftRound(Tree(root), [0], [-1])
+        ngram = self.inner
+        tokens, positions = list(unseen), list(range(base, base + len(unseen)))
+        chain, logr = [root], [0.0]
+        slots = [len(unseen) - 1]  # pending entry of each evaluated chain node
+        live = list(range(len(unseen)))  # pending entries on the chain (the unseen ones included)
+        written = 0  # pending entries so far
+        dead = False  # whether some pending entry is off the chain
+        value = 1.0
+        while len(chain) - 1 < max_depth:
+            tip_depth = len(chain) - 1
+            proposal: list[int] = []
+            if ngram is not None:
+                proposal = ngram.propose(self.history + chain[1:])[0][:max_depth - tip_depth - 1]
+                tokens += proposal
+                positions += [root_position + tip_depth + 1 + i for i in range(len(proposal))]
+            if planner is not None:
+                if len(chain) > 1 and not planner.another_pass([value], len(tokens), len(chain) - 1):
+                    break
+                planner.note_pass(len(tokens))
+            mask = None
+            if dead:  # the new rows see the chain's entries and each other, not the dead ones
+                n = len(tokens)
+                mask = torch.zeros((n, written + n), dtype=torch.bool)
+                mask[:, live] = True
+                mask[:, written:] = torch.ones((n, n), dtype=torch.bool).tril_()
+                mask = mask.to(runner.device)
+            logits = runner.forward_nodes(tokens, positions, mask)
+            first = written + len(tokens) - len(proposal) - 1  # the tip's entry
+            rows = len(proposal) + 1
+            tok, lr = self._child_scores(logits[-rows:], [positions[-rows + i] + 1 for i in range(rows)])
+            if len(chain) > 1:
+                slots.append(first)
+                live.append(first)
+            written += len(tokens)
+            stop = False
+            for i in range(rows):  # walk down the n-gram's rows while the draft agrees
+                if not tok[i] or lr[i][0] == float("-inf"):
+                    stop = True
+                    break
+                chain.append(tok[i][0])
+                logr.append(lr[i][0])
+                if planner is not None:
+                    value *= planner.acceptance.p(math.exp(lr[i][0]))
+                if i < len(proposal) and proposal[i] == tok[i][0] and len(chain) - 1 < max_depth:
+                    slots.append(first + 1 + i)  # evaluated in this pass already
+                    live.append(first + 1 + i)
+                    continue
+                dead = dead or i < len(proposal)  # its rows from here on are off the chain
+                break
+            if stop:
+                break
+            tokens, positions = [chain[-1]], [root_position + len(chain) - 1]
+        slots.append(-1)  # the tip was not evaluated
+        slots = slots[:len(chain)]
+        tree = Tree(root)
+        for parent, token in enumerate(chain[1:]):
+            tree.add(parent, token)
+        keep = list(range(len(chain)))
+        if planner is not None and len(chain) > 1:
+            keep = planner.select(tree, planner.node_values(tree, logr), budget)
+            if len(keep) < len(chain):
+                tree = Tree(root)
+                for parent, token in enumerate(chain[1:len(keep)]):
+                    tree.add(parent, token)
+        return DraftRound(tree, keep, slots, logr[:len(keep)])
+
+    @staticmethod
+    def _logr(tree: Tree, logscore: list[float]) -> list[float]:
+        """Each node's draft log probability given its parent (root 0)."""
+        return [0.0] + [logscore[n] - logscore[tree.parents[n]] for n in range(1, len(tree))]
+
+    def _inner_rows(self) -> int:
+        """Rows the inner stage adds to a pass (an estimate: its widths, or its budget)."""
+        if isinstance(self.inner, NGramDrafter):
+            return len(self.inner.widths)
+        if isinstance(self.inner, ModelDrafter):
+            return self.inner.shape.budget - 1
+        return 0
 
     def _hang_mini_tree(self, tree: Tree, expand_rows: list[tuple[int, int]], tokens: list[int],
                         positions: list[int],
@@ -332,6 +456,14 @@ class ModelDrafter:
         if self.inner is not None:
             self.inner.observe(emitted, self.history)
         self.history.extend(emitted)
+
+    def skip(self, token: int) -> None:
+        """The oracle took a plain step to ``token`` without a draft: the draft falls behind by
+        one token (its next pass catches up)."""
+        self.unseen.append(token)
+        if self.inner is not None:
+            self.inner.observe([token], self.history)
+        self.history.append(token)
 
     # ----------------------------------------------------------------- as an inner stage
     def propose(self, context: list[int]) -> tuple[list[int], list[int]]:

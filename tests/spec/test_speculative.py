@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from staged_engine import Engine, NGramModel
-from staged_engine.config import DEFAULT_NGRAM_WIDTHS, DEFAULT_SHAPES
+from staged_engine.config import DEFAULT_NGRAM_WIDTHS, SHAPE_LIMITS
 from staged_engine.model.backend import TorchBackend, _cpu
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, SamplingParams
 from staged_engine.spec.decoders import PlainDecoder, SpeculativeDecoder
 from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
+from staged_engine.spec.planner import RoundPlanner
 
 VOCAB = 997
 SHAPES = [
@@ -86,10 +87,12 @@ def _decode(eng: Engine, strategy: str, opts: dict, prompt: list[int], n: int):
     if strategy == "plain":
         decoder = PlainDecoder(oracle, sampling)
     else:
-        shape = TreeShape(**opts) if opts else DEFAULT_SHAPES["greedy"][strategy]
-        inner = NGramDrafter(eng.ngram, DEFAULT_NGRAM_WIDTHS["greedy"]) if strategy == "staged" else None
+        shape = TreeShape(**opts) if opts else SHAPE_LIMITS[strategy]
+        inner = NGramDrafter(eng.ngram, DEFAULT_NGRAM_WIDTHS) if strategy == "staged" else None
         drafter = ModelDrafter(ModelRunner(eng.draft, eng.backend), sampling, shape, inner)
-        decoder = SpeculativeDecoder(oracle, sampling, drafter, strategy, adaptive=not opts)
+        costs = (eng.cost_profile("oracle"), eng.cost_profile("draft"))
+        planner = None if opts else (lambda: RoundPlanner(*costs, shape.budget, shape.max_depth))
+        decoder = SpeculativeDecoder(oracle, sampling, drafter, strategy, planner)
     out: list[int] = []
     with torch.inference_mode():
         decoder.start(prompt)

@@ -1,0 +1,271 @@
+"""The round planner and its cost model: each decision against a brute-force optimum or a known
+truth, the cached profile's life cycle, and the engine's contract (planning never changes the
+output; a pinned shape plays as pinned; a shape too big for the window is refused)."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from staged_engine import Engine
+from staged_engine.spec.cost import NODES, CostProfile, load_or_measure, profile_key, profile_path
+from staged_engine.spec.planner import Acceptance, RoundPlanner, Stints
+from staged_engine.spec.tree import Tree
+
+VOCAB = 997
+
+
+def _profile(per_node: float, fixed: float = 1e-3) -> CostProfile:
+    """A made-up profile: a pass costs fixed + per_node * (n - 1) seconds at any context."""
+    row = [fixed + per_node * (n - 1) for n in NODES]
+    return CostProfile({"made": "up"}, NODES, (0, 100), [row, list(row)])
+
+
+def test_profile_interpolates_and_extrapolates_linearly():
+    prof = CostProfile({}, NODES, (0, 100), [[float(n) for n in NODES], [2.0 * n for n in NODES]])
+    assert prof.time(5, 0) == pytest.approx(5.0)  # between 4 and 6
+    assert prof.time(5, 50) == pytest.approx(7.5)  # halfway between the two contexts
+    assert prof.time(128, 0) == pytest.approx(128.0)
+
+
+def _tree_with_values(g: torch.Generator, n: int) -> tuple[Tree, list[float]]:
+    tree = Tree(0)
+    logr = [0.0]
+    for i in range(1, n):
+        parent = int(torch.randint(0, i, (1,), generator=g))
+        tree.add(parent, 1000 + i)
+        logr.append(math.log(float(torch.rand(1, generator=g)) * 0.98 + 0.01))
+    return tree, logr
+
+
+def test_select_is_the_best_prefix_closed_subset():
+    """Brute force over every prefix-closed node set of small random trees: the planner's choice
+    maximises expected tokens minus price times the oracle's extra seconds."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        per_node = [1e-5, 1e-4, 4e-4][trial % 3]
+        planner = RoundPlanner(_profile(per_node), _profile(1e-5), max_budget=16, max_depth=8)
+        tree, logr = _tree_with_values(g, int(torch.randint(2, 9, (1,), generator=g)))
+        value = planner.node_values(tree, logr)
+        lam = planner.price()
+
+        def net(nodes):
+            return sum(value[n] for n in nodes) - lam * planner.node_cost(1, len(nodes))
+
+        best = 0.0
+        others = range(1, len(tree))
+        for size in range(1, len(tree)):
+            for subset in itertools.combinations(others, size):
+                if all(tree.parents[n] == 0 or tree.parents[n] in subset for n in subset):
+                    best = max(best, net(subset))
+        keep = planner.select(tree, value, budget=16)
+        assert keep[0] == 0 and keep == sorted(keep)
+        assert all(tree.parents[n] in keep for n in keep[1:])
+        assert net(keep[1:]) == pytest.approx(best, abs=1e-9)
+
+
+def test_node_values_multiply_calibrated_chances_along_the_path():
+    planner = RoundPlanner(_profile(1e-5), _profile(1e-5), 16, 8)
+    tree = Tree(0)
+    a = tree.add(0, 1)
+    b = tree.add(a, 2)
+    c = tree.add(0, 3)
+    logr = [0.0, math.log(0.95), math.log(0.55), math.log(0.15)]
+    p = planner.acceptance.p
+    assert planner.node_values(tree, logr) == pytest.approx([1.0, p(0.95), p(0.95) * p(0.55), p(0.15)])
+
+
+def test_acceptance_calibrates_to_what_the_oracle_did():
+    """Offers at confidence r are accepted with chance r^2 (an overconfident draft): every bin's
+    estimate moves from its prior (r) to the truth."""
+    acc = Acceptance()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20000):
+        r = float(torch.rand(1, generator=g))
+        acc.observe(r, float(torch.rand(1, generator=g)) < r * r, top=True)
+    for i in range(10):
+        center = (i + 0.5) / 10
+        assert acc.p(center) == pytest.approx(center ** 2, abs=0.08)
+
+
+def _run_stints(draft_speedup: float, rounds: int = 6000, seed: int = 0) -> list[int]:
+    """Drive Stints with a machine whose speed drifts by up to +-40% over a few hundred rounds
+    (as this project's VMs do), plain steps at 1 token per unit time times the drift, drafted
+    rounds ``draft_speedup`` times as fast, each round with 10% noise. Returns the arm played
+    in each round."""
+    g = torch.Generator().manual_seed(seed)
+    st, arms = Stints(), []
+    for i in range(rounds):
+        drift = 1.0 + 0.4 * math.sin(i / 97.0) * math.cos(i / 331.0)
+        noise = 1.0 + 0.1 * float(torch.randn(1, generator=g))
+        arm = st.arm
+        arms.append(arm)
+        rate = drift * noise * (draft_speedup if arm == 1 else 1.0)
+        st.record(2 if arm == 1 else 1, (2 if arm == 1 else 1) / rate)
+    return arms
+
+
+@pytest.mark.parametrize("speedup,drafting_share", [(1.25, (0.85, 1.0)), (0.8, (0.0, 0.15)), (1.1, (0.7, 1.0)),
+                                                    (0.9, (0.0, 0.3))])
+def test_stints_play_the_faster_arm_through_machine_drift(speedup, drafting_share):
+    """After the first comparisons the faster arm plays almost all the time, although the
+    machine's own speed drifts by more than the arms differ: arms are compared only in adjacent
+    blocks."""
+    arms = _run_stints(speedup)[1000:]
+    share = sum(arms) / len(arms)
+    assert drafting_share[0] <= share <= drafting_share[1], share
+
+
+def test_stints_follow_a_change_of_text():
+    """Drafting pays for the first half and then stops paying: the arms swap within a few
+    hundred rounds."""
+    st, arms = Stints(), []
+    for i in range(4000):
+        arm = st.arm
+        arms.append(arm)
+        speedup = 1.3 if i < 2000 else 0.7
+        st.record(1, 1.0 / (speedup if arm == 1 else 1.0))
+    assert sum(arms[1000:2000]) / 1000 > 0.9 and sum(arms[2600:]) / 1400 < 0.1
+
+
+def test_another_pass_only_while_the_frontier_is_worth_it():
+    planner = RoundPlanner(_profile(1e-5), _profile(1e-5, fixed=2e-4), 16, 8)
+    planner.acceptance.top_accepted, planner.acceptance.top_offered = 9.0, 10.0
+    lam = planner.price()
+    threshold = lam * (planner.pass_cost(1) + planner.node_cost(1, 1)) / 0.9
+    assert planner.another_pass([threshold * 1.05], 1, 0)
+    assert not planner.another_pass([threshold * 0.95], 1, 0)
+    assert not planner.another_pass([], 1, 0)
+    # the oracle's pass grows steeper past 4 nodes: the same frontier no longer pays there
+    steep = RoundPlanner(CostProfile({}, NODES, (0, 100), [[1e-3 if n <= 4 else 1e-3 + 1e-3 * n for n in NODES]] * 2),
+                         _profile(1e-5, fixed=2e-4), 16, 8)
+    steep.acceptance.top_accepted, steep.acceptance.top_offered = 9.0, 10.0
+    assert steep.another_pass([threshold * 1.05], 1, 2)
+    assert not steep.another_pass([threshold * 1.05], 1, 3)
+
+
+def test_round_cost_learns_what_rounds_take_in_place():
+    """Rounds that take 1.5x the profile's oracle time, 2x its draft time and 80 us of Python
+    per pass: from the rounds alone, the regression predicts what a pass and a node cost."""
+    planner = RoundPlanner(_profile(2e-5, fixed=3e-4), _profile(1e-5, fixed=5e-5), 16, 8)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(600):
+        passes = [int(torch.randint(1, 4, (1,), generator=g))] + [1] * int(torch.randint(0, 4, (1,), generator=g))
+        nodes = int(torch.randint(1, 7, (1,), generator=g))
+        truth = (1.5 * planner._profile_oracle(1) + 2e-5 + 8e-5 * len(passes)
+                 + 2.0 * sum(planner._profile_draft(r) for r in passes)
+                 + 1.5 * (planner._profile_oracle(nodes) - planner._profile_oracle(1)))
+        planner.pass_rows = passes
+        tree = Tree(0)
+        for i in range(1, nodes):
+            tree.add(i - 1, 100 + i)
+        planner.observe(tree, [0.0] * nodes, [0], 1, truth * (1 + 0.02 * float(torch.randn(1, generator=g))))
+    assert planner.pass_cost(1) == pytest.approx(8e-5 + 2.0 * 5e-5, rel=0.25)  # the prior says 1e-4
+    assert planner.pass_cost(3) == pytest.approx(8e-5 + 2.0 * 7e-5, rel=0.25)
+    assert planner.node_cost(1, 2) == pytest.approx(1.5 * 2 * 2e-5, rel=0.15)
+    assert planner.round_seconds([1, 1], 3) == pytest.approx(
+        1.5 * 3e-4 + 2e-5 + 16e-5 + 2.0 * 2 * 5e-5 + 1.5 * 4e-5, rel=0.1)
+
+
+# ------------------------------------------------------------------ the cached profile
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("STAGED_ENGINE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_profile_is_measured_once_then_reused_and_a_bad_file_is_measured_again(pair, cache):
+    oracle, draft = pair
+    eng = Engine.from_pretrained(oracle, draft=draft)
+    prof = eng.cost_profile("oracle")
+    eng.cost_profile("draft")
+    assert eng.profile_sources == {"oracle": "measured", "draft": "measured"} and prof.measured_in < 2.0
+    assert all(s > 0 for row in prof.seconds for s in row)
+    second = Engine.from_pretrained(oracle, draft=draft)  # a second load on this machine
+    second.generate([1, 2, 3], max_new_tokens=8, strategy="chain")
+    assert second.profile_sources == {"oracle": "cached", "draft": "cached"}
+    assert second.cost_profile("oracle").seconds == prof.seconds
+    path = profile_path(profile_key(eng.oracle, eng.backend))
+    for bad in ("{not json", json.dumps({"key": {"another": "machine"}}),
+                json.dumps({**prof.to_json(), "seconds": [[-1.0] * len(NODES)] * 2})):
+        with open(path, "w") as f:
+            f.write(bad)
+        third = Engine.from_pretrained(oracle, draft=draft)
+        with pytest.warns(UserWarning, match="measuring it again"):
+            third.cost_profile("oracle")
+        assert third.profile_sources["oracle"] == "re-measured"
+        with open(path) as f:
+            assert CostProfile.from_json(json.load(f), profile_key(eng.oracle, eng.backend)).seconds
+
+
+def test_profile_of_a_model_the_engine_lacks_is_refused(pair, cache):
+    eng = Engine.from_pretrained(pair[0])
+    with pytest.raises(ValueError, match="which"):
+        eng.cost_profile("draft")
+
+
+def test_unwritable_cache_still_measures(pair, tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("STAGED_ENGINE_CACHE", str(blocker))  # a file where a directory should be
+    eng = Engine.from_pretrained(pair[0], draft=pair[1])
+    with pytest.warns(UserWarning, match="could not cache"):
+        prof, how = load_or_measure(eng.oracle, eng.backend, lambda: __import__(
+            "staged_engine.model.runner", fromlist=["ModelRunner"]).ModelRunner(eng.oracle, eng.backend))
+    assert how == "measured" and prof.seconds
+
+
+# ------------------------------------------------------------------ through the engine
+@pytest.fixture(scope="module")
+def engine(pair):
+    oracle, draft = pair
+    return Engine.from_pretrained(oracle, draft=draft)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("strategy", ["chain", "tree"])
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
+def test_planned_and_fixed_both_equal_plain(engine, strategy, kw):
+    for prompt in _prompts(3, 5):
+        ref = engine.generate(prompt, max_new_tokens=40, strategy="plain", **kw).token_ids
+        planned = engine.generate(prompt, max_new_tokens=40, strategy=strategy, **kw)
+        fixed = engine.generate(prompt, max_new_tokens=40, strategy=strategy, adaptive=False, **kw)
+        assert planned.token_ids == ref and fixed.token_ids == ref
+        assert "planner" in planned.stats and "planner" not in fixed.stats
+        p = planned.stats["planner"]
+        assert p["drafted_rounds"] + p["plain_rounds"] == planned.stats["oracle_calls"]
+
+
+def test_a_pinned_shape_is_not_planned(engine):
+    res = engine.generate([1, 2, 3], max_new_tokens=12, strategy="tree", budget=5, max_depth=2)
+    assert "planner" not in res.stats
+    res = engine.generate([1, 2, 3], max_new_tokens=12, strategy="tree", budget=5, max_depth=2, adaptive=True)
+    assert "planner" in res.stats
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_bad_adaptive_is_refused(engine, bad):
+    with pytest.raises(ValueError, match="adaptive"):
+        engine.generate([1, 2, 3], max_new_tokens=4, strategy="chain", adaptive=bad)
+    with pytest.raises(ValueError, match="plain"):
+        engine.generate([1, 2, 3], max_new_tokens=4, strategy="plain", adaptive=True)
+
+
+@pytest.mark.parametrize("kw,option", [(dict(strategy="chain", chain_length=10_000), "chain_length"),
+                                        (dict(strategy="tree", max_depth=10_000), "max_depth"),
+                                        (dict(strategy="staged", budget=10_000), "budget")])
+def test_a_pinned_shape_too_big_for_the_window_is_refused(engine, kw, option):
+    with pytest.raises(ValueError, match=f"{option}=10000 cannot fit the context window"):
+        engine.generate([1, 2, 3], max_new_tokens=4, **kw)
+    with pytest.raises(ValueError, match=option):
+        list(engine.stream([1, 2, 3], max_new_tokens=4, **kw)) if engine.tokenizer else \
+            engine.generate([1, 2, 3], max_new_tokens=4, **kw)
