@@ -33,9 +33,9 @@ from common import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINE_SYSTEMS = ("plain", "chain", "tree", "staged", "chain_fixed", "tree_fixed", "staged_fixed")
-# X_fixed: strategy X with its default shape every round (adaptive=False), against X choosing
-# its depth each round from measured throughput (the default).
+ENGINE_SYSTEMS = ("plain", "chain", "tree", "staged")  # each strategy as a user gets it: planned rounds
+# chain_K: a chain of K drafted tokens every round (a fixed shape; --chains picks the K), the
+# competition the planned default must beat.
 HF_SYSTEMS = ("hf", "hf_assisted", "hf_lookup")
 TIE = 1e-4
 # The sampled modes: (engine knobs, HF generate knobs). Greedy needs none.
@@ -107,6 +107,7 @@ def run(args) -> dict:
               "draft_params": eng.draft.config.num_params if eng.draft else None,
               "new_tokens": args.new_tokens, "prompt_sets": args.prompt_sets, "n_prompts": len(encoded),
               "skipped_prompts": skipped, "options": options, "modes": {}}
+    result["repeats"] = args.repeats
     for mode in args.modes:
         sampled = mode != "greedy"
         per_system: dict[str, list[dict]] = {s: [] for s in args.systems}
@@ -116,14 +117,18 @@ def run(args) -> dict:
             _run_system(eng, hf, s, ids0, 16, mode, 0, options)
         bar = progress_bar(len(encoded), f"[{mode}]", "prompts")
         for i, (p, ids) in enumerate(encoded):
-            outs = {}
+            outs, last = {}, {}
+            spent = {s: 0.0 for s in args.systems}
+            for _ in range(args.repeats):  # systems alternate within each repeat: side by side in time
+                for s in args.systems:
+                    bar.set_postfix_str(s)  # before the clock starts: the bar is never timed
+                    t0 = time.perf_counter()
+                    tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)
+                    spent[s] += time.perf_counter() - t0
+                    outs[s], last[s] = tokens, stats
             for s in args.systems:
-                bar.set_postfix_str(s)  # before the clock starts: the bar is never timed
-                t0 = time.perf_counter()
-                tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)
-                dt = time.perf_counter() - t0
-                outs[s] = tokens
-                per_system[s].append({"id": p["id"], "seconds": dt, "tokens_per_s": len(tokens) / dt, **stats})
+                dt = spent[s] / args.repeats
+                per_system[s].append({"id": p["id"], "seconds": dt, "tokens_per_s": len(outs[s]) / dt, **last[s]})
             if "plain" in outs:
                 per_system["plain"][-1]["loops"] = loops(eng.decode(outs["plain"]))
             if sampled and "plain" in outs:  # drafter invariance: same seed, same tokens
@@ -150,10 +155,10 @@ def run(args) -> dict:
 def _run_system(eng, hf, system, ids, new_tokens, mode, seed, options):
     if system in HF_SYSTEMS:
         return hf.run(system, ids, new_tokens, mode, seed), {}
-    strategy = system.removesuffix("_fixed")
+    strategy, _, k = system.partition("_")
     kw = dict(max_new_tokens=new_tokens, strategy=strategy, stop_at_eos=False)
-    if system.endswith("_fixed"):
-        kw["adaptive"] = False
+    if k:  # chain_K: a fixed chain of K drafted tokens
+        kw["chain_length"] = int(k)
     if mode in SAMPLED_MODES:
         kw.update(seed=seed, **SAMPLED_MODES[mode][0])
     res = eng.generate(ids, **kw, **options.get(system, {}))
@@ -168,11 +173,19 @@ def _summarise(per_system: dict, eng, systems) -> dict:
     base_hf = per_system.get("hf")
     base_plain = per_system.get("plain")
     base_assisted = per_system.get("hf_assisted")
+    totals = {s: sum(r["tokens_per_s"] * r["seconds"] for r in per_system[s]) / sum(r["seconds"] for r in per_system[s])
+              for s in systems}
+    fixed = [s for s in systems if s.startswith("chain_")]
+    best_fixed = max(fixed, key=totals.get) if fixed else None
     for s in systems:
         runs = per_system[s]
         row = {"median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-               "total_tokens_per_s": sum(r["tokens_per_s"] * r["seconds"] for r in runs)
-               / sum(r["seconds"] for r in runs)}
+               "total_tokens_per_s": totals[s]}
+        if "plain" in totals:  # over the prompt set: all tokens over all seconds
+            row["total_speedup_vs_plain"] = totals[s] / totals["plain"]
+        if best_fixed is not None:
+            row["best_fixed_chain"] = best_fixed
+            row["speedup_vs_best_fixed_chain"] = totals[s] / totals[best_fixed]
         for name, base in (("hf", base_hf), ("hf_assisted", base_assisted), ("plain", base_plain)):
             if base is not None:
                 row[f"median_speedup_vs_{name}"] = statistics.median(
@@ -211,17 +224,22 @@ def markdown(result: dict) -> str:
         lines.append(f"**{mode}** ({result['n_prompts']} prompts x {result['new_tokens']} new tokens; "
                      f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}"
                      + (f"; {100 * loop:.0f}% of plain continuations loop" if loop is not None else "") + ")\n")
-        lines.append("| system | tok/s (median) | vs HF generate | vs HF assisted | vs our plain | slowest prompt vs plain "
-                     "| tokens/oracle call | rel. memory traffic | overhead share | output = our plain |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        best = next((r["best_fixed_chain"] for r in rows.values() if "best_fixed_chain" in r), None)
+        lines.append("| system | tok/s (median) | vs HF generate | vs HF assisted | vs our plain (median) "
+                     "| vs our plain (all tokens) | slowest prompt vs plain"
+                     + (f" | vs best fixed chain ({best})" if best else "")
+                     + " | tokens/oracle call | rel. memory traffic | overhead share | output = our plain |")
+        lines.append("|---|---|---|---|---|---|---|" + ("---|" if best else "") + "---|---|---|---|")
         for s, r in rows.items():
             ident = (f"{r['identical']}/{result['n_prompts']}" + (f" ({r['ties']} ties)" if r.get("ties") else "")
                      if "identical" in r else "n/a (other RNG)")
             lines.append(
                 f"| {s} | {r['median_tokens_per_s']:.1f} | {fmt(r.get('median_speedup_vs_hf'), 'x')} | "
                 f"{fmt(r.get('median_speedup_vs_hf_assisted'), 'x')} | "
-                f"{fmt(r.get('median_speedup_vs_plain'), 'x')} | {fmt(r.get('min_speedup_vs_plain'), 'x')} | "
-                f"{fmt(r.get('tokens_per_oracle_call'))} | "
+                f"{fmt(r.get('median_speedup_vs_plain'), 'x')} | {fmt(r.get('total_speedup_vs_plain'), 'x')} | "
+                f"{fmt(r.get('min_speedup_vs_plain'), 'x')} | "
+                + (f"{fmt(r.get('speedup_vs_best_fixed_chain'), 'x')} | " if best else "")
+                + f"{fmt(r.get('tokens_per_oracle_call'))} | "
                 f"{fmt(r.get('relative_memory_traffic'))} | {_pct(r.get('overhead_share'))} | {ident} |")
         lines.append("")
     return "\n".join(lines)
@@ -238,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="greedy; sampled = top-k 50 at T 1; topp = top-p 0.95 at T 0.8")
     ap.add_argument("--systems", nargs="+", choices=HF_SYSTEMS + ENGINE_SYSTEMS,
                     default=list(HF_SYSTEMS + ENGINE_SYSTEMS))
+    ap.add_argument("--chains", nargs="*", type=int, default=[1, 2, 3, 4],
+                    help="also run fixed chains of these lengths (chain_K); the best is the bar the "
+                         "planned default must clear (default 1 2 3 4; none: --chains)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each prompt this many times, systems alternating (per-prompt figures "
+                         "average the repeats: machine drift cancels)")
     ap.add_argument("--options", help='JSON per-strategy options, e.g. {"staged": {"budget": 12}}')
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="e2e.json", help="file name under bench/results/")
@@ -250,6 +274,9 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if "plain" not in args.systems:
         args.systems = ["plain"] + args.systems  # the reference for identity and speedups
+    if args.repeats < 1 or any(k < 1 for k in args.chains):
+        raise SystemExit("--repeats and --chains need integers >= 1")
+    args.systems += [f"chain_{k}" for k in args.chains]
     result = run(args)
     publish(result, markdown(result), args.out)
     return 0

@@ -13,6 +13,8 @@ Plots, each skipped with a note when its input file is missing:
                               and staged, as fractions of oracle calls, one panel per mode
   forward_cost.png            oracle forward time against tree nodes (forward_cost.json):
                               milliseconds, and relative to a 1-node pass
+  temperature.png             tokens/s against sampling temperature for plain decoding, the best
+                              fixed chain and the planned staged default (temperature.json)
 
 Needs matplotlib, a benchmark-only extra: `pip install matplotlib` (or `pip install -e .[bench]`).
 """
@@ -25,9 +27,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-SYSTEM_ORDER = ("hf", "hf_assisted", "hf_lookup", "plain", "chain", "tree", "staged", "chain_fixed", "tree_fixed",
-                "staged_fixed")
-SPECULATIVE = ("chain", "tree", "staged", "chain_fixed", "tree_fixed", "staged_fixed")
+SYSTEM_ORDER = ("hf", "hf_assisted", "hf_lookup", "plain", "chain", "tree", "staged", "chain_1", "chain_2",
+                "chain_3", "chain_4")
+SPECULATIVE = ("chain", "tree", "staged", "chain_1", "chain_2", "chain_3", "chain_4")
 MODE_COLORS = {"greedy": "#4C72B0", "sampled": "#DD8452"}
 SYSTEM_COLORS = {"chain": "#55A868", "tree": "#C44E52", "staged": "#8172B3"}
 FALLBACK_COLORS = ("#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD")
@@ -185,6 +187,34 @@ def plot_forward_cost(plt, r: dict, path: str) -> str | None:
     return path
 
 
+def plot_temperature(plt, r: dict, path: str) -> str | None:
+    """Tokens/s against temperature: plain, the best fixed chain at each temperature, staged."""
+    rows = sorted(r.get("rows", []), key=lambda x: x["temperature"])
+    if not rows:
+        return None
+    ts = [x["temperature"] for x in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    series = (("plain decoding", [x["tokens_per_s"]["plain"] for x in rows], "#4C72B0", "o"),
+              ("best fixed chain (chosen afterwards)", [x["tokens_per_s"][x["best_fixed"]] for x in rows], "#55A868", "s"),
+              ("staged, planned each round (default)", [x["tokens_per_s"]["staged"] for x in rows], "#8172B3", "^"))
+    for label, ys, color, marker in series:
+        ax.plot(ts, ys, marker=marker, color=color, label=label)
+    for x, t in zip(rows, ts):
+        ax.annotate(x["best_fixed"].replace("chain ", "k="), (t, x["tokens_per_s"][x["best_fixed"]]),
+                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7, color="#55A868")
+    ax.set_xlabel("temperature (0 = greedy; no top-k / top-p)")
+    ax.set_ylabel("tokens / s (all tokens over all seconds)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left", fontsize=8)
+    ax.set_title(f"Demo pair, {r.get('n_prompts', '?')} held-out prompts x {r.get('new_tokens', '?')} tokens: "
+                 f"{_machine(r)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=RESULTS, metavar="DIR",
@@ -235,6 +265,14 @@ def main(argv=None) -> int:
     else:
         path = plot_forward_cost(plt, r, os.path.join(out, "forward_cost.png"))
         print(path if path else f"skipping forward_cost.png: no curves in {fc_path}")
+        written += bool(path)
+    t_path = os.path.join(args.results, "temperature.json")
+    r = _load(t_path)
+    if r is None:
+        print(f"skipping temperature.png: {t_path} not found")
+    else:
+        path = plot_temperature(plt, r, os.path.join(out, "temperature.png"))
+        print(path if path else f"skipping temperature.png: no rows in {t_path}")
         written += bool(path)
     if not written:
         print("no plots written")

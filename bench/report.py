@@ -102,25 +102,37 @@ def _plot(name: str, alt: str) -> list[str]:
     return []
 
 
-def section_sweep(greedy: dict | None, sampled: dict | None) -> list[str]:
-    out = ["### The adaptive default against fixed shapes (`staged-engine bench sweep [--sampled]`)\n",
-           "Per strategy: the default (depth chosen every round from measured throughput) and the best "
-           "fixed shape of the sweep, as median speedups over plain decoding on the same prompts, "
-           "measured in one run. Sources: `bench/results/sweep_greedy.json`, `bench/results/sweep_sampled.json`.\n",
-           "| mode | strategy | shape | tok/s | vs plain | tokens/oracle call |", "|---|---|---|---|---|---|"]
-    for r in (greedy, sampled):
-        if not r:
-            continue
+def section_sweep(sweeps: list[dict]) -> list[str]:
+    out = ["### The planned default against fixed shapes (`staged-engine bench sweep --mode MODE`)\n",
+           "Per strategy and mode: the planned default (each round drafts and verifies what pays) and the "
+           "best fixed shape of the sweep (chains of 1-10, trees of 4-16 nodes, staged shapes), as speedups "
+           "over plain decoding, every generation paired with a plain one of the same prompt just before it "
+           "(all tokens over all seconds; per-prompt median and minimum). Sources: "
+           + ", ".join(f"`bench/results/sweep_{r['mode']}.json`" for r in sweeps) + ".\n",
+           "| mode | strategy | shape | tok/s | vs plain | per-prompt median | slowest prompt | tokens/oracle call "
+           "| planned / best fixed |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sweeps:
         for strategy, b in r["best"].items():
-            default = next((x for x in r["rows"] if x["strategy"] == strategy and not x["options"]), None)
-            fixed = max((x for x in r["rows"] if x["strategy"] == strategy and x["options"]),
-                        key=lambda x: x["median_speedup_vs_plain"], default=None)
-            for label, x in (("adaptive (default)", default), (None, fixed)):
-                if x is None:
-                    continue
-                opts = label or "best fixed: " + ", ".join(f"{k}={v}" for k, v in x["options"].items())
-                out.append(f"| {r['mode']} | {strategy} | {opts} | {x['median_tokens_per_s']:.0f} | "
-                           f"{x['median_speedup_vs_plain']:.2f}x | {x['tokens_per_oracle_call']:.2f} |")
+            d = r["planned"][strategy]
+            for x in (d, b):
+                ratio = f"{d['tokens_per_s'] / b['tokens_per_s']:.2f}" if x is d else ""
+                out.append(f"| {r['mode']} | {strategy} | {x['label']} | {x['tokens_per_s']:.0f} | "
+                           f"{x['speedup_vs_plain']:.2f}x | {x['median_speedup_vs_plain']:.2f}x | "
+                           f"{x['min_speedup_vs_plain']:.2f}x | {x['tokens_per_oracle_call']:.2f} | {ratio} |")
+    out.append("")
+    return out
+
+
+def section_temperature(r: dict) -> list[str]:
+    out = ["### Tokens/s against temperature (`staged-engine bench temperature`)\n",
+           f"{r['n_prompts']} held-out prompts x {r['new_tokens']} tokens, {r['repeats']} repeats, systems "
+           f"alternating; {_machine(r['machine'])}. The best fixed chain is picked per temperature after the "
+           "fact. Source: `bench/results/temperature.json`.\n",
+           "| temperature | plain tok/s | staged (planned) | best fixed chain | staged / best fixed |",
+           "|---|---|---|---|---|"]
+    for x in r["rows"]:
+        out.append(f"| {x['temperature']:.1f} | {x['tokens_per_s']['plain']:.0f} | {x['staged_vs_plain']:.2f}x | "
+                   f"{x['best_fixed']}: {x['best_fixed_vs_plain']:.2f}x | {x['staged_vs_best_fixed']:.2f} |")
     out.append("")
     return out
 
@@ -176,12 +188,6 @@ def render() -> str:
         parts += section_e2e(r)
         parts += _plot("e2e_speedup.png", "speedup over HF generate per system")
         parts += _plot("e2e_accepted_lengths.png", "tokens emitted per oracle call")
-    r = _load("e2e_topp_wide_tree.json")
-    if r:
-        parts += section_e2e(r, "How far the draft sees: a wider staged tree at T 0.8 / top-p 0.95 "
-                             "(`staged-engine bench e2e --modes topp --systems plain staged_fixed --options "
-                             "'{\"staged_fixed\": {\"budget\": 16, \"max_depth\": 6, \"children\": 4, \"expand\": 4}}'`)",
-                             "e2e_topp_wide_tree.json")
     r = _load("roofline.json")
     if r:
         parts += section_generic("Decode roofline: bandwidth and compute bounds, HF `generate` and llama.cpp "
@@ -191,13 +197,14 @@ def render() -> str:
     if r:
         parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, greedy",
                              "e2e_identity_all_prompts.json")
-    greedy, sampled = _load("sweep_greedy.json"), _load("sweep_sampled.json")
-    for name, r in (("sweep_greedy.json", greedy), ("sweep_sampled.json", sampled)):
-        if r is not None and "oracle_params" not in r:  # written before sweeps named their pair
-            _STALE.append(name)
-    greedy, sampled = (r if r and "oracle_params" in r else None for r in (greedy, sampled))
-    if greedy or sampled:
-        parts += section_sweep(greedy, sampled)
+    sweeps = [r for r in (_load(f"sweep_{m}.json") for m in ("greedy", "topp", "sampled"))
+              if r is not None and "planned" in r]
+    if sweeps:
+        parts += section_sweep(sweeps)
+    r = _load("temperature.json")
+    if r:
+        parts += section_temperature(r)
+        parts += _plot("temperature.png", "tokens/s against temperature")
     for name, fn in (("plain_vs_hf.json", section_plain_vs_hf), ("forward_cost.json", section_forward_cost),
                      ("forward_cost_draft.json", section_forward_cost)):
         r = _load(name)

@@ -1,11 +1,15 @@
-"""Sweep fixed speculative shapes on the demo pair, against the adaptive default.
+"""Sweep fixed speculative shapes on the demo pair, against the planned default and plain decoding.
 
-For each strategy: the default (the depth chosen each round from measured throughput) and each
-fixed shape of the grid (chains of 1-10, trees, staged shapes); median tokens/s over a prompt subset (greedy, and top-k 50 at T = 1
-with --sampled), tokens per oracle call, draft passes per round, and speedup over plain decoding
-measured in the same run. Writes bench/results/sweep.json and prints the best shape per strategy.
+For each shape of the grid (chains of 1-10 drafted tokens, trees of 4-16 nodes, staged shapes)
+and the strategies' planned defaults (``chain``, ``tree``, ``staged`` with no knob: each round
+drafts and verifies what pays, see spec/planner.py): tokens/s over a prompt subset, measured
+side by side with plain decoding: every generation of a shape is paired with a plain generation
+of the same prompt just before it, so the machine's drift cancels in the ratio. Reports the
+speedup over plain (all tokens over all seconds, and the median per prompt), tokens per oracle
+call and draft passes per round, and the best fixed shape per strategy. Output is checked
+against plain decoding for every generation. Writes bench/results/sweep_<mode>.json.
 
-    python bench/sweep.py [--limit 12] [--new-tokens 128] [--sampled]
+    python bench/sweep.py [--mode greedy|topp|sampled] [--limit 8] [--new-tokens 128]
 """
 from __future__ import annotations
 
@@ -17,78 +21,101 @@ import statistics
 import sys
 
 from common import machine, progress_bar, save
-from e2e import load_prompts
+from e2e import SAMPLED_MODES, load_prompts
 
 
 def grid() -> list[tuple[str, dict]]:
-    """Chains of 2-10; trees of 4-16 nodes (narrow and wide); staged shapes from a chain drafted
-    with n-gram help (children 1) to trees with n-gram mini-trees of several widths."""
-    shapes = [(s, {}) for s in ("chain", "tree", "staged")]  # the adaptive defaults
-    shapes += [("chain", {"chain_length": k}) for k in (1, 2, 3, 4, 6, 8, 10)]
-    for budget, depth, children in itertools.product((4, 6, 8, 12, 16), (3, 5, 8), (2, 4)):
+    """The planned defaults; chains of 1-10; trees of 4-16 nodes (narrow and wide); staged shapes
+    from a chain drafted with n-gram help to trees with n-gram mini-trees."""
+    shapes = [(s, {}) for s in ("chain", "tree", "staged")]
+    shapes += [("chain", {"chain_length": k}) for k in range(1, 11)]
+    for budget, depth, children in itertools.product((4, 8, 16), (3, 6), (2, 4)):
         if depth < budget:
-            shapes.append(("tree", dict(budget=budget, max_depth=depth, children=children,
-                                        expand=children)))
-    for depth in (4, 6, 8, 10):
-        shapes.append(("staged", dict(budget=depth + 1, max_depth=depth, children=1, expand=1,
-                                      ngram_widths=(1,) * depth)))
-    for budget, depth in itertools.product((6, 8, 12), (5, 8)):
-        for widths in ((1, 1, 1, 1, 1), (2, 1, 1, 1, 1), (4, 2, 1, 1), (12, 7, 4, 1, 1, 1)):
-            shapes.append(("staged", dict(budget=budget, max_depth=depth, children=2, expand=2,
-                                          ngram_widths=widths)))
+            shapes.append(("tree", dict(budget=budget, max_depth=depth, children=children, expand=children)))
+    for depth in (2, 4, 8):
+        shapes.append(("staged", dict(budget=depth + 1, max_depth=depth, children=1, expand=1)))
+    for budget, widths in ((6, (2, 1, 1, 1)), (12, (4, 2, 1, 1))):
+        shapes.append(("staged", dict(budget=budget, max_depth=5, children=2, expand=2, ngram_widths=widths)))
     return shapes
+
+
+def label(strategy: str, opts: dict) -> str:
+    if not opts:
+        return f"{strategy} (planned)"
+    if strategy == "chain":
+        return f"chain {opts['chain_length']}"
+    return f"{strategy} " + ",".join(f"{k}={v}" for k, v in opts.items() if k != "ngram_widths") + (
+        f",ngram={'/'.join(map(str, opts['ngram_widths']))}" if "ngram_widths" in opts else "")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--limit", type=int, default=8, help="prompts per set")
+    ap.add_argument("--limit", type=int, default=8, help="prompts per set (held-out code and HumanEval; default 8)")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--sampled", action="store_true", help="top-k 50, T = 1 instead of greedy")
+    ap.add_argument("--mode", choices=("greedy", *SAMPLED_MODES), default="greedy",
+                    help="greedy; sampled = top-k 50 at T 1; topp = top-p 0.95 at T 0.8")
+    ap.add_argument("--sampled", action="store_true", help="the same as --mode sampled")
     ap.add_argument("--strategies", nargs="+", default=["chain", "tree", "staged"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    mode = "sampled" if args.sampled else args.mode
     from staged_engine import Engine
 
     eng = Engine.demo()
     prompts = [eng.tokenizer.encode(p["prompt"]).ids for p in load_prompts(["heldout", "humaneval"], args.limit)]
     prompts = [p for p in prompts if len(p) + args.new_tokens <= eng.config.n_positions]
     kw = dict(max_new_tokens=args.new_tokens, stop_at_eos=False)
-    if args.sampled:
-        kw.update(temperature=1.0, top_k=50)
-    eng.generate(prompts[0], strategy="plain", **{**kw, "max_new_tokens": 16}, seed=0)
-    plain = [eng.generate(p, strategy="plain", seed=i, **kw) for i, p in enumerate(prompts)]
-    plain_tps = [r.stats["tokens_per_second"] for r in plain]
-    rows = []
+    if mode in SAMPLED_MODES:
+        kw.update(SAMPLED_MODES[mode][0])
     shapes = [s for s in grid() if s[0] in args.strategies]
-    mode = "sampled" if args.sampled else "greedy"
-    bar = progress_bar(len(shapes), f"[sweep {mode}]", "shapes")
-    for strategy, opts in shapes:
-        bar.set_postfix_str(f"{strategy} {opts}")  # speeds come from the engine's own timers
-        res = [eng.generate(p, strategy=strategy, seed=i, **kw, **opts) for i, p in enumerate(prompts)]
-        assert all(r.token_ids == q.token_ids for r, q in zip(res, plain)), (strategy, opts)
-        tps = [r.stats["tokens_per_second"] for r in res]
-        calls = sum(r.stats["oracle_calls"] for r in res)
-        rows.append({"strategy": strategy, "options": opts, "median_tokens_per_s": statistics.median(tps),
-                     "median_speedup_vs_plain": statistics.median(a / b for a, b in zip(tps, plain_tps)),
-                     "tokens_per_oracle_call": sum(r.stats["new_tokens"] for r in res) / calls,
-                     "draft_calls_per_round": sum(r.stats["draft_calls"] for r in res) / calls,
-                     "overhead_share": statistics.median(r.stats["overhead_share"] for r in res)})
-        bar.set_postfix_str(f"{strategy} {opts}: {rows[-1]['median_speedup_vs_plain']:.2f}x")
-        bar.update(1)
+    for strategy, opts in [("plain", {})] + shapes:  # warm-up: every shape once, briefly
+        eng.generate(prompts[0], strategy=strategy, seed=0, **{**kw, "max_new_tokens": 16}, **opts)
+    seconds = {i: [0.0, 0.0] for i in range(len(shapes))}  # shape -> [plain, shape] seconds
+    per_prompt = {i: [] for i in range(len(shapes))}
+    calls = {i: [0, 0, 0] for i in range(len(shapes))}  # tokens, oracle calls, draft calls
+    bar = progress_bar(len(prompts) * len(shapes), f"[sweep {mode}]", "runs")
+    for j, p in enumerate(prompts):
+        for i, (strategy, opts) in enumerate(shapes):
+            bar.set_postfix_str(label(strategy, opts))  # speeds come from the engine's own timers
+            ref = eng.generate(p, strategy="plain", seed=j, **kw)
+            res = eng.generate(p, strategy=strategy, seed=j, **kw, **opts)
+            assert res.token_ids == ref.token_ids, (strategy, opts, j)
+            a, b = ref.stats["decode_seconds"], res.stats["decode_seconds"]
+            seconds[i][0] += a
+            seconds[i][1] += b
+            per_prompt[i].append(a / b)
+            calls[i][0] += res.stats["new_tokens"]
+            calls[i][1] += res.stats["oracle_calls"]
+            calls[i][2] += res.stats["draft_calls"]
+            bar.update(1)
     bar.close()
-    best = {s: max((r for r in rows if r["strategy"] == s), key=lambda r: r["median_speedup_vs_plain"])
+    tokens = len(prompts) * args.new_tokens
+    rows = []
+    for i, (strategy, opts) in enumerate(shapes):
+        plain_s, shape_s = seconds[i]
+        rows.append({"strategy": strategy, "options": opts, "label": label(strategy, opts), "planned": not opts,
+                     "tokens_per_s": tokens / shape_s, "plain_tokens_per_s": tokens / plain_s,
+                     "speedup_vs_plain": plain_s / shape_s,
+                     "median_speedup_vs_plain": statistics.median(per_prompt[i]),
+                     "min_speedup_vs_plain": min(per_prompt[i]),
+                     "tokens_per_oracle_call": calls[i][0] / calls[i][1],
+                     "draft_calls_per_round": calls[i][2] / calls[i][1]})
+    best = {s: max((r for r in rows if r["strategy"] == s and not r["planned"]), key=lambda r: r["speedup_vs_plain"])
             for s in args.strategies}
+    planned = {s: next(r for r in rows if r["strategy"] == s and r["planned"]) for s in args.strategies}
     from staged_engine.demo_pair import DEMO_DIR
 
-    out = {"benchmark": f"speculation knob sweep ({mode})", "machine": machine(), "mode": mode,
+    out = {"benchmark": f"speculation shape sweep ({mode})", "machine": machine(), "mode": mode,
            "oracle": os.path.join(DEMO_DIR, "oracle"), "oracle_params": eng.config.num_params,
            "n_prompts": len(prompts), "new_tokens": args.new_tokens,
-           "plain_median_tokens_per_s": statistics.median(plain_tps), "rows": rows, "best": best}
+           "plain_tokens_per_s": tokens * len(shapes) / sum(s[0] for s in seconds.values()),
+           "rows": rows, "best": best, "planned": planned}
     path = save(out, args.out or f"sweep_{mode}.json")
-    print(f"plain: {statistics.median(plain_tps):.1f} tok/s ({len(prompts)} prompts, {mode})")
-    for s, r in best.items():
-        print(f"best {s}: {json.dumps(r['options'])} -> {r['median_tokens_per_s']:.1f} tok/s, "
-              f"{r['median_speedup_vs_plain']:.2f}x plain, {r['tokens_per_oracle_call']:.2f} tokens/call")
+    print(f"plain: {out['plain_tokens_per_s']:.1f} tok/s ({len(prompts)} prompts, {mode})")
+    for s in args.strategies:
+        b, d = best[s], planned[s]
+        print(f"{s}: planned {d['speedup_vs_plain']:.2f}x plain; best fixed {b['label']} "
+              f"{b['speedup_vs_plain']:.2f}x; planned / best fixed {d['tokens_per_s'] / b['tokens_per_s']:.2f}")
     print(f"saved {path}")
     return 0
 

@@ -36,16 +36,21 @@ def _tiny_results(d) -> None:
     curve = {str(n): {"seconds": 1e-3 * (1 + 0.1 * n), "relative_to_1": 1 + 0.1 * (n - 1)} for n in (1, 2, 4, 8)}
     with open(os.path.join(d, "forward_cost.json"), "w") as f:
         json.dump({"machine": machine, "prefix": 16, "curves": {"native": curve, "stock torch": curve}}, f)
+    rows = [{"temperature": t, "best_fixed": "chain 2", "tokens_per_s": {"plain": 100.0, "staged": 105.0 - 5 * t,
+                                                                       "chain 2": 110.0 - 20 * t}}
+            for t in (0.0, 0.5, 1.0)]
+    with open(os.path.join(d, "temperature.json"), "w") as f:
+        json.dump({"machine": machine, "n_prompts": 4, "new_tokens": 16, "rows": rows}, f)
 
 
-def test_plots_write_three_pngs(tmp_path):
+def test_plots_write_four_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     plots = _bench_module("plots")
 
     _tiny_results(str(tmp_path))
     assert plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")]) == 0
     names = sorted(os.listdir(tmp_path / "png"))
-    assert names == ["e2e_accepted_lengths.png", "e2e_speedup.png", "forward_cost.png"]
+    assert names == ["e2e_accepted_lengths.png", "e2e_speedup.png", "forward_cost.png", "temperature.png"]
     for name in names:
         with open(tmp_path / "png" / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -12,7 +12,8 @@ BENCHES = {
     "kernels": "kernels.py",  # Triton kernel microbenchmarks (torch references on CPU)
     "ngram": "ngram.py",  # n-gram build throughput and query latency
     "forward-cost": "forward_cost.py",  # oracle forward time against tree nodes
-    "sweep": "sweep.py",  # tree-shape sweep behind the default knobs
+    "sweep": "sweep.py",  # fixed shapes against the planned default and plain decoding
+    "temperature": "temperature.py",  # tokens/s against temperature: plain, best fixed chain, planned
     "dsbd": "dsbd.py",  # DSBD against beam sampling
     "serve-load": "serve_load.py",  # concurrent clients against staged-engine serve
     "pair-quality": "pair_quality.py",  # the demo pair's bits per byte and agreement on held-out code

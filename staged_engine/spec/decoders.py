@@ -101,8 +101,8 @@ class SpeculativeDecoder(Decoder):
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
-        self.drafter.start(prompt)
         self.planner = self.planner_factory() if self.planner_factory is not None else None
+        self.drafter.start(prompt, lazy=self.planner is not None)
 
     def draft_calls(self) -> int:
         return self.drafter.calls
@@ -117,8 +117,12 @@ class SpeculativeDecoder(Decoder):
         planner = self.planner
         if planner is None:
             return self._round(remaining, self.drafter.shape.budget, self.drafter.shape.max_depth)[0]
-        t0 = time.perf_counter()
         oracle = self.oracle
+        if planner.drafting() and len(self.drafter.unseen) > 4:
+            # The draft's backlog (the prompt, or what plain steps left) is a one-off cost of
+            # switching to drafting: paid here, outside the round the planner judges.
+            self.drafter.catch_up()
+        t0 = time.perf_counter()
         if not planner.start_round(oracle.length):  # plain steps, on the shortest path
             out: list[int] = []
             for _ in range(min(remaining, planner.plain_steps(), PLAIN_BATCH)):

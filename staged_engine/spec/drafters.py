@@ -127,10 +127,16 @@ class ModelDrafter:
         self.history: list[int] = []  # every accepted token, root included
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], lazy: bool = False) -> None:
+        """A new generation. ``lazy``: do not prefill the prompt now; it stays unseen until the
+        first drafted round needs it (``catch_up``), so a generation that never drafts (the
+        planner found plain steps faster) never pays for the draft's prefill."""
         self.runner.reset()
-        self.runner.prefill(prompt[:-1])
-        self.unseen = [prompt[-1]]
+        if lazy:
+            self.unseen = list(prompt)
+        else:
+            self.runner.prefill(prompt[:-1])
+            self.unseen = [prompt[-1]]
         self.history = list(prompt)
         if self.inner is not None:
             self.inner.start(prompt)

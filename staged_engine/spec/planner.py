@@ -275,6 +275,10 @@ class RoundPlanner:
         self.pass_rows = []
         return self.m.stints.arm == 1
 
+    def drafting(self) -> bool:
+        """Whether the coming round will draft (what ``start_round`` will say)."""
+        return self.m.stints.arm == 1
+
     def plain_steps(self) -> int:
         """How many plain steps may run back to back now (the rest of the current block)."""
         return self.m.stints.rounds_left

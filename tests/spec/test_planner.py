@@ -269,3 +269,20 @@ def test_a_pinned_shape_too_big_for_the_window_is_refused(engine, kw, option):
     with pytest.raises(ValueError, match=option):
         list(engine.stream([1, 2, 3], max_new_tokens=4, **kw)) if engine.tokenizer else \
             engine.generate([1, 2, 3], max_new_tokens=4, **kw)
+
+
+def test_profile_command_measures_then_reads_the_cache(pair, cache, capsys, tmp_path):
+    from staged_engine.cli.main import main
+
+    oracle, draft = pair
+    assert main(["profile", "--oracle", oracle, "--draft", draft, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "oracle: measured" in out and "draft: measured" in out and out.startswith("machine: ")
+    payload = json.loads(out[out.index("{"):])
+    assert set(payload["models"]) == {"oracle", "draft"} and payload["machine"]["cores"] >= 1
+    assert main(["profile", "--oracle", oracle, "--draft", draft]) == 0
+    assert "oracle: cached" in capsys.readouterr().out
+    plot = tmp_path / "cost.png"
+    pytest.importorskip("matplotlib")
+    assert main(["profile", "--oracle", oracle, "--plot", str(plot)]) == 0
+    assert plot.stat().st_size > 1000
