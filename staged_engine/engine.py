@@ -282,10 +282,11 @@ class Engine:
             return prof
 
     def _planner_memory(self, config: GenerationConfig) -> PlannerMemory:
-        """What the planner learned so far for this strategy, shape and sampling rule (kept for
-        the 32 most recent combinations)."""
-        p = config.params
-        key = (config.strategy, config.spec.shape, config.spec.ngram_widths, p.temperature, p.top_k, p.top_p)
+        """What the planner learned so far for this strategy and shape, greedy or sampling (kept
+        for the 32 most recent combinations). Sampling rules share one: whether drafting pays
+        moves little between temperatures, and a request should not start from scratch because
+        it asked for T 0.7 instead of 0.8."""
+        key = (config.strategy, config.spec.shape, config.spec.ngram_widths, config.params.greedy)
         with self._profile_lock:
             memory = self._memories.pop(key, None) or PlannerMemory()
             self._memories[key] = memory  # most recent last

@@ -169,7 +169,7 @@ class Stints:
         self.pairs = 0
         self.last = [0.0, 0.0]  # the latest block rate of each arm
         self.prev_arm = -1  # the arm of the block before the current one
-        self.plan = [1, 0, 1, 0, 1]  # arms of the next blocks (the first comparisons)
+        self.plan = [1, 0, 1]  # arms of the next blocks: the first two comparisons
         self.arm = self.plan.pop(0)
         self.stint = first_stint
         self.favoured: int | None = None  # the arm the last plan favoured
