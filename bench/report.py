@@ -54,8 +54,10 @@ def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engi
     out = [f"### {title}\n"] + [
            f"Oracle {r['oracle_params'] / 1e6:.1f}M parameters, draft {r['draft_params'] / 1e6:.2f}M; "
            f"{r['n_prompts']} prompts ({' + '.join(r['prompt_sets'])}), {r['new_tokens']} new tokens, fp32; "
-           f"{_machine(r['machine'])}. Medians over prompts after a warm-up; speedups are medians of "
-           f"per-prompt ratios measured in the same run. Source: `bench/results/{source}`.\n"]
+           f"{_machine(r['machine'])}. Medians over prompts after a warm-up; "
+           + (f"each prompt ran {r['repeats']} times with the systems alternating; " if r.get("repeats", 1) > 1 else "")
+           + "speedups are medians of per-prompt ratios (and all tokens over all seconds) measured in the "
+           f"same run. Source: `bench/results/{source}`.\n"]
     out.append(r["markdown"])
     return out
 
@@ -215,6 +217,11 @@ def render() -> str:
     for name, title in (("dsbd.json", "DSBD against beam sampling (`staged-engine bench dsbd`)"),
                         ("dsbd_static.json", "DSBD with the width fixed at W: beam sampling's own law "
                          "(`staged-engine bench dsbd --options '{\"dsbd\": {\"dynamic\": false}}'`)"),
+                        ("dsbd_fixed_w2.json", "DSBD with a fixed width, W = 2, one cache row per beam "
+                         "(`staged-engine bench dsbd --num-beams 2 --options '{\"dsbd\": {\"dynamic\": false, "
+                         "\"layout\": \"rows\"}}'`)"),
+                        ("dsbd_fixed_w4.json", "DSBD with a fixed width, W = 4, one cache row per beam"),
+                        ("dsbd_fixed_w8.json", "DSBD with a fixed width, W = 8, one cache row per beam"),
                         ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
