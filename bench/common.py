@@ -14,23 +14,11 @@ from tqdm import tqdm
 
 def machine() -> dict:
     """What ran the benchmark: CPU model, cores, memory, versions."""
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    isa = "avx512" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
-    vector = sorted(f for f in flags.split()[2:] if f.startswith(("avx", "fma", "f16c", "amx")))
+    from staged_engine.spec.cost import cpu_identity  # the one reading of /proc/cpuinfo
+
+    ident = cpu_identity()
+    cpu, vector = ident["cpu"], ident["vector_extensions"]
+    isa = "avx512" if "avx512f" in vector else ("avx2" if "avx2" in vector else "baseline")
     mem_gb = None
     try:
         mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)

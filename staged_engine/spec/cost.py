@@ -30,25 +30,26 @@ from staged_engine.checks import atomic_path
 
 SCHEMA = 2
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-_EXTENSIONS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-               "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "neon", "asimd", "sve")
+_VECTOR_PREFIXES = ("avx", "fma", "f16c", "amx", "neon", "asimd", "sve")
 
 
 def cpu_identity() -> dict:
     """The CPU model, its vector extensions and core count (from /proc/cpuinfo where present)."""
-    name, flags = platform.processor() or platform.machine() or "unknown", set()
+    name, flags = None, set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key == "model name" and name in ("", "unknown", platform.processor(), platform.machine()):
+                if key == "model name" and name is None:
                     name = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = set(value.split())
     except OSError:
         pass
-    return {"cpu": name, "vector_extensions": sorted(flags & set(_EXTENSIONS)), "cores": os.cpu_count() or 1}
+    name = name or platform.processor() or platform.machine() or "unknown"
+    return {"cpu": name, "vector_extensions": sorted(f for f in flags if f.startswith(_VECTOR_PREFIXES)),
+            "cores": os.cpu_count() or 1}
 
 
 def model_fingerprint(model) -> str:
