@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
 
-from common import machine, progress_bar, save
-from e2e import SAMPLED_MODES, load_prompts
+from common import load_prompts, machine, progress_bar, save
+from e2e import SAMPLED_MODES
 
 
 def grid() -> list[tuple[str, dict]]:

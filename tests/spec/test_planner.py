@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -48,7 +47,7 @@ def test_select_is_the_best_prefix_closed_subset():
     g = torch.Generator().manual_seed(0)
     for trial in range(40):
         per_node = [1e-5, 1e-4, 4e-4][trial % 3]
-        planner = RoundPlanner(_profile(per_node), _profile(1e-5), max_budget=16, max_depth=8)
+        planner = RoundPlanner(_profile(per_node), _profile(1e-5))
         tree, logr = _tree_with_values(g, int(torch.randint(2, 9, (1,), generator=g)))
         value = planner.node_values(tree, logr)
         lam = planner.price()
@@ -69,11 +68,11 @@ def test_select_is_the_best_prefix_closed_subset():
 
 
 def test_node_values_multiply_calibrated_chances_along_the_path():
-    planner = RoundPlanner(_profile(1e-5), _profile(1e-5), 16, 8)
+    planner = RoundPlanner(_profile(1e-5), _profile(1e-5))
     tree = Tree(0)
     a = tree.add(0, 1)
-    b = tree.add(a, 2)
-    c = tree.add(0, 3)
+    tree.add(a, 2)
+    tree.add(0, 3)
     logr = [0.0, math.log(0.95), math.log(0.55), math.log(0.15)]
     p = planner.acceptance.p
     assert planner.node_values(tree, logr) == pytest.approx([1.0, p(0.95), p(0.95) * p(0.55), p(0.15)])
@@ -133,7 +132,7 @@ def test_stints_follow_a_change_of_text():
 
 
 def test_another_pass_only_while_the_frontier_is_worth_it():
-    planner = RoundPlanner(_profile(1e-5), _profile(1e-5, fixed=2e-4), 16, 8)
+    planner = RoundPlanner(_profile(1e-5), _profile(1e-5, fixed=2e-4))
     planner.acceptance.top_accepted, planner.acceptance.top_offered = 9.0, 10.0
     lam = planner.price()
     threshold = lam * (planner.pass_cost(1) + planner.node_cost(1, 1)) / 0.9
@@ -142,7 +141,7 @@ def test_another_pass_only_while_the_frontier_is_worth_it():
     assert not planner.another_pass([], 1, 0)
     # the oracle's pass grows steeper past 4 nodes: the same frontier no longer pays there
     steep = RoundPlanner(CostProfile({}, NODES, (0, 100), [[1e-3 if n <= 4 else 1e-3 + 1e-3 * n for n in NODES]] * 2),
-                         _profile(1e-5, fixed=2e-4), 16, 8)
+                         _profile(1e-5, fixed=2e-4))
     steep.acceptance.top_accepted, steep.acceptance.top_offered = 9.0, 10.0
     assert steep.another_pass([threshold * 1.05], 1, 2)
     assert not steep.another_pass([threshold * 1.05], 1, 3)
@@ -151,11 +150,13 @@ def test_another_pass_only_while_the_frontier_is_worth_it():
 def test_round_cost_learns_what_rounds_take_in_place():
     """Rounds that take 1.5x the profile's oracle time, 2x its draft time and 80 us of Python
     per pass: from the rounds alone, the regression predicts what a pass and a node cost."""
-    planner = RoundPlanner(_profile(2e-5, fixed=3e-4), _profile(1e-5, fixed=5e-5), 16, 8)
+    planner = RoundPlanner(_profile(2e-5, fixed=3e-4), _profile(1e-5, fixed=5e-5))
     g = torch.Generator().manual_seed(2)
     for _ in range(600):
-        passes = [int(torch.randint(1, 4, (1,), generator=g))] + [1] * int(torch.randint(0, 4, (1,), generator=g))
-        nodes = int(torch.randint(1, 7, (1,), generator=g))
+        # pass count, rows per pass and oracle nodes vary independently, as they do across
+        # rounds of different shapes and after plain stretches
+        passes = torch.randint(1, 9, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist()
+        nodes = int(torch.randint(1, 9, (1,), generator=g))
         truth = (1.5 * planner._profile_oracle(1) + 2e-5 + 8e-5 * len(passes)
                  + 2.0 * sum(planner._profile_draft(r) for r in passes)
                  + 1.5 * (planner._profile_oracle(nodes) - planner._profile_oracle(1)))
@@ -164,8 +165,8 @@ def test_round_cost_learns_what_rounds_take_in_place():
         for i in range(1, nodes):
             tree.add(i - 1, 100 + i)
         planner.observe(tree, [0.0] * nodes, [0], 1, truth * (1 + 0.02 * float(torch.randn(1, generator=g))))
-    assert planner.pass_cost(1) == pytest.approx(8e-5 + 2.0 * 5e-5, rel=0.25)  # the prior says 1e-4
-    assert planner.pass_cost(3) == pytest.approx(8e-5 + 2.0 * 7e-5, rel=0.25)
+    assert planner.pass_cost(1) == pytest.approx(8e-5 + 2.0 * 5e-5, rel=0.15)  # the prior says 1e-4
+    assert planner.pass_cost(3) == pytest.approx(8e-5 + 2.0 * 7e-5, rel=0.15)
     assert planner.node_cost(1, 2) == pytest.approx(1.5 * 2 * 2e-5, rel=0.15)
     assert planner.round_seconds([1, 1], 3) == pytest.approx(
         1.5 * 3e-4 + 2e-5 + 16e-5 + 2.0 * 2 * 5e-5 + 1.5 * 4e-5, rel=0.1)
