@@ -315,9 +315,8 @@ class Engine:
             factory = None
             if config.spec.adaptive:
                 costs = (self.cost_profile("oracle"), self.cost_profile("draft"))
-                shape = config.spec.shape
                 memory = self._planner_memory(config)
-                factory = lambda: RoundPlanner(*costs, shape.budget, shape.max_depth, memory)  # noqa: E731
+                factory = lambda: RoundPlanner(*costs, memory)  # noqa: E731
             stop = self.eos_token_id if config.stop_at_eos else None
             return SpeculativeDecoder(oracle, sampling, drafter, config.strategy, factory, stop)
         if config.beam is not None:

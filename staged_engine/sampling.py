@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -222,7 +223,7 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.params.greedy
 
-    @property
+    @cached_property
     def rule(self) -> tuple:
         """(temperature, top_k, top_p, seed): what a native kernel needs to apply this rule."""
         p = self.params

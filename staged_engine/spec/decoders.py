@@ -24,9 +24,10 @@ class Decoder:
 
     name = "base"
 
-    def __init__(self, oracle: ModelRunner, sampling: SamplingConfig) -> None:
+    def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, stop_token: int | None = None) -> None:
         self.oracle = oracle
         self.sampling = sampling
+        self.stop_token = stop_token  # plain steps run back to back up to this token (EOS)
         self.root = -1  # the last accepted token, not yet seen by the oracle
         self.accepted_lengths: list[int] = []  # tokens emitted per round
 
@@ -39,6 +40,20 @@ class Decoder:
 
     def round(self, remaining: int) -> list[int]:
         raise NotImplementedError
+
+    def plain_steps(self, n: int) -> list[int]:
+        """Up to ``n`` oracle steps back to back (fewer at ``stop_token``): the tokens chosen.
+        Plain decoding is made of them, and so is every round a planner spends undrafted."""
+        oracle, out = self.oracle, []
+        for _ in range(n):
+            logits = oracle.step(self.root)
+            token = choose_one(oracle.backend, logits, oracle.length, self.sampling)
+            self.root = token
+            out.append(token)
+            if token == self.stop_token:
+                break
+        self.accepted_lengths.extend([1] * len(out))
+        return out
 
     def draft_calls(self) -> int:
         return 0
@@ -64,21 +79,11 @@ class PlainDecoder(Decoder):
 
     def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, stop_token: int | None = None,
                  batch: int = PLAIN_BATCH) -> None:
-        super().__init__(oracle, sampling)
-        self.stop_token = stop_token
+        super().__init__(oracle, sampling, stop_token)
         self.batch = batch
 
     def round(self, remaining: int) -> list[int]:
-        oracle, out = self.oracle, []
-        for _ in range(min(remaining, self.batch)):
-            logits = oracle.step(self.root)
-            token = choose_one(oracle.backend, logits, oracle.length, self.sampling)
-            self.root = token
-            out.append(token)
-            if token == self.stop_token:
-                break
-        self.accepted_lengths.extend([1] * len(out))
-        return out
+        return self.plain_steps(min(remaining, self.batch))
 
 
 class SpeculativeDecoder(Decoder):
@@ -92,10 +97,9 @@ class SpeculativeDecoder(Decoder):
 
     def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, drafter: ModelDrafter, name: str,
                  planner_factory=None, stop_token: int | None = None) -> None:
-        super().__init__(oracle, sampling)
+        super().__init__(oracle, sampling, stop_token)
         self.drafter = drafter
         self.name = name
-        self.stop_token = stop_token  # plain steps run in a batch up to this token (EOS)
         self.planner_factory = planner_factory
         self.planner: RoundPlanner | None = None
 
@@ -124,16 +128,8 @@ class SpeculativeDecoder(Decoder):
             self.drafter.catch_up()
         t0 = time.perf_counter()
         if not planner.start_round(oracle.length):  # plain steps, on the shortest path
-            out: list[int] = []
-            for _ in range(min(remaining, planner.plain_steps(), PLAIN_BATCH)):
-                logits = oracle.step(self.root)
-                token = choose_one(oracle.backend, logits, oracle.length, self.sampling)
-                self.drafter.skip(token)
-                self.root = token
-                self.accepted_lengths.append(1)
-                out.append(token)
-                if token == self.stop_token:
-                    break
+            out = self.plain_steps(min(remaining, planner.plain_steps(), PLAIN_BATCH))
+            self.drafter.skip(out)
             planner.observe_steps(len(out), time.perf_counter() - t0)
             return out
         shape = self.drafter.shape
@@ -154,16 +150,15 @@ class SpeculativeDecoder(Decoder):
         budget = min(budget, n_ctx - root_position)
         draft = self.drafter.build(root_position, budget, max_depth, planner)
         tree = draft.tree
-        if len(tree) == 1:  # nothing drafted (a plain step of the planner): the plain path
-            logits = oracle.step(self.root)
-            emitted = [choose_one(oracle.backend, logits, root_position + 1, self.sampling)]
-            path = [0]
-        else:
-            positions = [root_position + d for d in tree.depths]
-            mask = None if tree.is_chain() else tree.ancestor_mask(oracle.device)
-            logits = oracle.forward_nodes(tree.tokens, positions, mask)  # (N, V)
-            path, emitted = verify(oracle.backend, tree, logits, positions, self.sampling)
-            oracle.commit(path)
+        if len(tree) == 1:  # nothing worth verifying: a plain step
+            emitted = self.plain_steps(1)
+            self.drafter.accept(draft, [0], emitted)
+            return emitted, draft, [0]
+        positions = [root_position + d for d in tree.depths]
+        mask = None if tree.is_chain() else tree.ancestor_mask(oracle.device)
+        logits = oracle.forward_nodes(tree.tokens, positions, mask)  # (N, V)
+        path, emitted = verify(oracle.backend, tree, logits, positions, self.sampling)
+        oracle.commit(path)
         self.drafter.accept(draft, path, emitted)
         self.root = emitted[-1]
         self.accepted_lengths.append(len(emitted))

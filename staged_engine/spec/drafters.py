@@ -463,13 +463,13 @@ class ModelDrafter:
             self.inner.observe(emitted, self.history)
         self.history.extend(emitted)
 
-    def skip(self, token: int) -> None:
-        """The oracle took a plain step to ``token`` without a draft: the draft falls behind by
-        one token (its next pass catches up)."""
-        self.unseen.append(token)
+    def skip(self, tokens: list[int]) -> None:
+        """The oracle took plain steps to ``tokens`` without a draft: the draft falls behind by
+        them (its next pass catches up)."""
+        self.unseen.extend(tokens)
         if self.inner is not None:
-            self.inner.observe([token], self.history)
-        self.history.append(token)
+            self.inner.observe(tokens, self.history)
+        self.history.extend(tokens)
 
     # ----------------------------------------------------------------- as an inner stage
     def propose(self, context: list[int]) -> tuple[list[int], list[int]]:

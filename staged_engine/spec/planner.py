@@ -212,10 +212,8 @@ def _clip(measured: float, predicted: float) -> float:
 class RoundPlanner:
     """Plans the rounds of one generation of a speculative decoder (see the module docstring)."""
 
-    def __init__(self, oracle: CostProfile, draft: CostProfile, max_budget: int, max_depth: int,
-                 memory: PlannerMemory | None = None) -> None:
+    def __init__(self, oracle: CostProfile, draft: CostProfile, memory: PlannerMemory | None = None) -> None:
         self.oracle_cost, self.draft_cost = oracle, draft
-        self.max_budget, self.max_depth = max_budget, max_depth
         self.m = memory if memory is not None else PlannerMemory()
         self.acceptance = self.m.acceptance
         self.context = -1

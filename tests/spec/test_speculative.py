@@ -91,7 +91,7 @@ def _decode(eng: Engine, strategy: str, opts: dict, prompt: list[int], n: int):
         inner = NGramDrafter(eng.ngram, DEFAULT_NGRAM_WIDTHS) if strategy == "staged" else None
         drafter = ModelDrafter(ModelRunner(eng.draft, eng.backend), sampling, shape, inner)
         costs = (eng.cost_profile("oracle"), eng.cost_profile("draft"))
-        planner = None if opts else (lambda: RoundPlanner(*costs, shape.budget, shape.max_depth))
+        planner = None if opts else (lambda: RoundPlanner(*costs))
         decoder = SpeculativeDecoder(oracle, sampling, drafter, strategy, planner)
     out: list[int] = []
     with torch.inference_mode():
