@@ -1,6 +1,8 @@
 """The public API: ``Engine.from_pretrained``, ``Engine.demo``, ``generate``, ``stream``, ``logits``."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 import time
@@ -13,7 +15,7 @@ import torch
 from staged_engine.beam.decoders import make_beam_decoder
 from staged_engine.checks import check_int, is_int
 from staged_engine.config import GenerationConfig, SpecConfig
-from staged_engine.demo_pair import DEMO_DIR, demo_ngram
+from staged_engine.demo_pair import DEMO_DIR, cache_dir, demo_ngram
 from staged_engine.model.backend import Backend, make_backend
 from staged_engine.model.checkpoint import load_model, load_tokenizer
 from staged_engine.model.gpt2 import GPT2
@@ -22,7 +24,7 @@ from staged_engine.sampling import SamplingConfig, choose
 from staged_engine.spec.cost import CostProfile, load_or_measure
 from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
-from staged_engine.spec.planner import PlannerMemory, RoundPlanner
+from staged_engine.spec.planner import PlannerMemory, RoundPlanner, arms_for, load_memory, save_memory
 
 # Token healing favours keeping the prompt's own last token by this many logits, as HF
 # transformers does, so that 'http' is not healed to 'https' on a whim.
@@ -281,18 +283,35 @@ class Engine:
                 self._profiles[which] = prof
             return prof
 
-    def _planner_memory(self, config: GenerationConfig) -> PlannerMemory:
+    def _planner_memory(self, config: GenerationConfig, costs: tuple[CostProfile, CostProfile]) -> PlannerMemory:
         """What the planner learned so far for this strategy and shape, greedy or sampling (kept
         for the 32 most recent combinations). Sampling rules share one: whether drafting pays
         moves little between temperatures, and a request should not start from scratch because
-        it asked for T 0.7 instead of 0.8."""
+        it asked for T 0.7 instead of 0.8. A new one starts from what an earlier process kept
+        on disk for these models on this machine (``spec.planner.load_memory``)."""
         key = (config.strategy, config.spec.shape, config.spec.ngram_widths, config.params.greedy)
         with self._profile_lock:
-            memory = self._memories.pop(key, None) or PlannerMemory()
+            memory = self._memories.pop(key, None)
+            if memory is None:
+                disk_key = {"schema": 1, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
+                            "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
+                            "greedy": config.params.greedy}
+                digest = hashlib.sha256(json.dumps(disk_key, sort_keys=True).encode()).hexdigest()[:20]
+                path = os.path.join(cache_dir(), "planner", f"{digest}.json")
+                memory = load_memory(path, arms_for(config.strategy == "staged"))
+                memory.path = path
             self._memories[key] = memory  # most recent last
             while len(self._memories) > 32:
                 self._memories.pop(next(iter(self._memories)))
             return memory
+
+    def _keep_memory(self, memory: PlannerMemory) -> None:
+        """Save what a generation's planner learned, at most every 5 seconds per memory."""
+        now = time.monotonic()
+        if memory.saved_at and now - memory.saved_at < 5.0:
+            return
+        memory.saved_at = now
+        save_memory(memory.path, memory)
 
     def _check_shape(self, config: GenerationConfig) -> None:
         """A pinned shape must fit the context window; the error names the option."""
@@ -315,7 +334,7 @@ class Engine:
             factory = None
             if config.spec.adaptive:
                 costs = (self.cost_profile("oracle"), self.cost_profile("draft"))
-                memory = self._planner_memory(config)
+                memory = self._planner_memory(config, costs)
                 factory = lambda: RoundPlanner(*costs, memory)  # noqa: E731
             stop = self.eos_token_id if config.stop_at_eos else None
             return SpeculativeDecoder(oracle, sampling, drafter, config.strategy, factory, stop)
@@ -431,6 +450,9 @@ class Engine:
             accepted_lengths=list(decoder.accepted_lengths),
         )
         stats.update(decoder.extra_stats())
+        planner = getattr(decoder, "planner", None)
+        if planner is not None:
+            self._keep_memory(planner.m)
         oracle_bytes = oracle.model.weight_bytes()
         if produced:
             stats["relative_memory_traffic"] = (

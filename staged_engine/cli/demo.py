@@ -48,7 +48,7 @@ def run(args) -> int:
         same = all(x for _, _, x in rows)
         all_same &= same
         plans = [s["planner"] for _, s, _ in rows if "planner" in s]
-        total = sum(pl["drafted_rounds"] + pl["plain_rounds"] for pl in plans)
+        total = sum(pl["drafted_rounds"] + pl["fixed_rounds"] + pl["plain_rounds"] for pl in plans)
         plain_steps = sum(pl["plain_rounds"] for pl in plans)
         chosen = (f", {plain_steps / total:.0%} of rounds chosen as plain steps (drafting did not pay there)"
                   if total else "")

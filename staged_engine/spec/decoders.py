@@ -12,7 +12,7 @@ import time
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig
 from staged_engine.spec.drafters import ModelDrafter
-from staged_engine.spec.planner import RoundPlanner
+from staged_engine.spec.planner import PLAIN, RoundPlanner
 from staged_engine.spec.verify import choose_one, verify
 
 
@@ -127,11 +127,18 @@ class SpeculativeDecoder(Decoder):
             # switching to drafting: paid here, outside the round the planner judges.
             self.drafter.catch_up()
         t0 = time.perf_counter()
-        if not planner.start_round(oracle.length):  # plain steps, on the shortest path
+        arm = planner.start_round(oracle.length)
+        if arm == PLAIN:  # plain steps, on the shortest path
             out = self.plain_steps(min(remaining, planner.plain_steps(), PLAIN_BATCH))
             self.drafter.skip(out)
             planner.observe_steps(len(out), time.perf_counter() - t0)
             return out
+        way = planner.arm(arm)
+        self.drafter.use_inner = way.inner
+        if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
+            emitted = self._round(remaining, way.depth + 1, way.depth)[0]
+            planner.observe_fixed(len(emitted), time.perf_counter() - t0)
+            return emitted
         shape = self.drafter.shape
         emitted, draft, path = self._round(remaining, shape.budget, shape.max_depth, planner)
         planner.observe(draft.tree, draft.logr, path, len(emitted), time.perf_counter() - t0)

@@ -123,6 +123,7 @@ class ModelDrafter:
         self.sampling = sampling
         self.shape = shape
         self.inner = inner
+        self.use_inner = True  # whether the inner stage proposes this round (it always learns)
         self.unseen: list[int] = []  # accepted tokens the draft has not processed; last = root
         self.history: list[int] = []  # every accepted token, root included
 
@@ -291,7 +292,7 @@ class ModelDrafter:
         max_depth = min(max_depth, room - len(unseen), budget - 1)
         if max_depth <= 0:
             return DraftRound(Tree(root), [0], [-1])
-        ngram = self.inner
+        ngram = self.inner if self.use_inner else None
         tokens, positions = list(unseen), list(range(base, base + len(unseen)))
         chain, logr = [root], [0.0]
         slots = [len(unseen) - 1]  # pending entry of each evaluated chain node
@@ -364,6 +365,8 @@ class ModelDrafter:
 
     def _inner_rows(self) -> int:
         """Rows the inner stage adds to a pass (an estimate: its widths, or its budget)."""
+        if not self.use_inner:
+            return 0
         if isinstance(self.inner, NGramDrafter):
             return len(self.inner.widths)
         if isinstance(self.inner, ModelDrafter):
@@ -376,7 +379,7 @@ class ModelDrafter:
                         room: int) -> list[tuple[int, int, int]]:
         """Append the inner drafter's mini-tree below the tip of the most likely path to this
         pass's batch. Returns (batch row, parent batch row, token) per appended node."""
-        if self.inner is None:
+        if self.inner is None or not self.use_inner:
             return []
         tip = self._tip(tree)
         tip_row = next((r for r, n in expand_rows if n == tip), None)

@@ -2,10 +2,11 @@
 
 Two decisions, at two time scales:
 
-- Whether to draft at all (``Stints``): drafting and plain steps take turns in blocks of rounds
-  and are compared on the wall clock, always in adjacent blocks (a machine's speed drifts by tens
-  of percent over seconds). The faster plays for stints that double while it stays faster; the
-  other is checked one block per stint. A model of costs can be wrong; the clock cannot.
+- How to run the coming rounds (``Stints``): plain steps, rounds this planner plans, or a fixed
+  chain of 1-3 drafted tokens. The ways take turns in blocks of rounds and are compared on the
+  wall clock, always in adjacent blocks (a machine's speed drifts by tens of percent over
+  seconds). The fastest plays for stints that double while it stays fastest; a challenger is
+  checked one block per stint. A model of costs can be wrong; the clock cannot.
 - Within a drafted round, how far to draft and what to verify (``RoundPlanner``): time is priced
   at the generation's running throughput, lambda tokens per second. A drafted node n is verified
   when its chance of acceptance A(n) (the product of calibrated chances along its path) exceeds
@@ -23,15 +24,22 @@ shared Gumbel noise, the draft's estimate that the oracle's noisy argmax is this
 calibrated online per confidence bin by what the oracle accepted.
 
 What is learned (``PlannerMemory``) outlives a generation: the engine keeps one per strategy and
-sampling rule, so the second request starts where the first ended. Which nodes are verified never
+sampling rule, so the second request starts where the first ended, and the arms' scores outlive
+the process (``save_memory``, ``load_memory``), so the next engine on this machine does not
+compare every arm again. Which nodes are verified never
 changes the output: only the oracle decides what is emitted.
 """
 from __future__ import annotations
 
+import json
 import math
+import os
+import warnings
+from typing import NamedTuple
 
 import numpy as np
 
+from staged_engine.checks import atomic_path
 from staged_engine.spec.cost import CostProfile
 from staged_engine.spec.tree import Tree
 
@@ -138,70 +146,206 @@ class RoundCost:
         self.coef = [float(c) for c in np.clip(coef, self.LOW, self.HIGH)]
 
 
+# The ways of running rounds that ``Stints`` compares on the clock: plain steps, the rounds
+# ``RoundPlanner`` plans, and fixed chains of 1-3 drafted tokens, with and (staged) without the
+# inner stage's proposals. A cost model can under- or over-draft, and an n-gram stage can cost more
+# than it saves on some machine: a fixed way the clock finds faster here is played instead, and
+# plain steps when nothing drafted pays.
+PLAIN, PLANNED = 0, 1
+FIXED_DEPTHS = (1, 2, 3)
+
+
+class Arm(NamedTuple):
+    name: str
+    depth: int | None = None  # a fixed chain's depth; None: plain steps or planned rounds
+    inner: bool = True  # whether the inner stage (n-gram) proposes
+
+
+def arms_for(staged: bool) -> tuple[Arm, ...]:
+    """The arms of a strategy: the fixed chains run without the inner stage (the chain
+    strategy's), and for staged also with it."""
+    arms = [Arm("plain"), Arm("planned"), *(Arm(f"fixed_{d}", d, False) for d in FIXED_DEPTHS)]
+    if staged:
+        arms += [Arm(f"fixed_{d}+ngram", d, True) for d in FIXED_DEPTHS]
+    return tuple(arms)
+
+
 class PlannerMemory:
     """What the planner learns about this machine, these models, this sampling rule and this
     kind of text; shared by the generations of one engine with one strategy and rule."""
 
-    def __init__(self) -> None:
+    def __init__(self, arms: tuple[Arm, ...] = arms_for(False)) -> None:
+        self.arms = arms
+        self.source = "new"  # or "cached": restored from what an earlier process learned here
+        self.saved_at = 0.0  # time.monotonic() of the last save_memory
+        self.path = ""  # where the engine keeps it
         self.acceptance = Acceptance()
         self.cost = RoundCost()
         self.rate = _Ratio(0.0, 0.0, 0.95)  # tokens / seconds over recent rounds
-        self.stints = Stints()
+        self.stints = Stints(len(arms))
+
+
+def load_memory(path: str, arms: tuple[Arm, ...]) -> "PlannerMemory":
+    """The memory kept at ``path`` by ``save_memory`` (its ``source`` "cached"), or a new one
+    ("new" when there is none, "ignored" with a warning when the file is unreadable or wrong)."""
+    memory = PlannerMemory(arms)
+    if not os.path.exists(path):
+        return memory
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        if not isinstance(raw, dict) or raw.get("arms") != [a.name for a in arms]:
+            raise ValueError("it was kept for other arms")
+        memory.stints.restore(raw.get("stints"))
+        memory.source = "cached"
+    except (OSError, ValueError, TypeError, json.JSONDecodeError) as exc:
+        warnings.warn(f"ignoring the planner memory {path} ({exc}); starting afresh", stacklevel=3)
+        memory = PlannerMemory(arms)
+        memory.source = "ignored"
+    return memory
+
+
+def save_memory(path: str, memory: "PlannerMemory") -> None:
+    """Keep what ``memory``'s ``Stints`` learned, so the next process on this machine starts
+    from it instead of comparing every arm again (a warning if it cannot be written)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"arms": [a.name for a in memory.arms], "stints": memory.stints.state()}, f, indent=1)
+    except OSError as exc:
+        warnings.warn(f"could not keep the planner memory at {path}: {exc}", stacklevel=3)
 
 
 class Stints:
-    """Drafting or plain steps, chosen by the tokens per second each delivered here.
+    """Which way to run the coming rounds, chosen by the tokens per second each way delivered.
 
-    Rounds run in blocks of ``block`` rounds of one arm (0: plain steps, 1: drafting), each
-    timed by the wall clock, everything included (a model of costs can be wrong, the clock
-    cannot). A machine's speed drifts by tens of percent over seconds, so arms are compared only
-    in adjacent blocks: every time a block follows a block of the other arm, log(drafting rate /
-    plain rate) of the pair updates a running figure, ``advantage``. The arm it favours plays a
-    stint of ``stint`` blocks; then the other arm plays one block and the favoured one another
-    (two fresh pairs). If the advantage has changed sign the arms swap, else the stint doubles
-    (up to ``max_stint``): when drafting does not pay here it costs about two blocks in every
-    ``max_stint``, and when it does, plain steps cost as little.
+    Rounds run in blocks of ``block`` rounds of one arm (0 plain steps, 1 planned drafting, then
+    fixed ways: ``arms_for``), each block timed by the wall clock, everything included. A
+    machine's speed drifts by tens of percent over seconds, so arms are compared only in adjacent
+    blocks, and only with plain steps: each time a drafting arm's block and a plain block are
+    adjacent, the log ratio of their rates updates that arm's ``score``, its running
+    log(rate / plain's rate) (plain's is 0 by definition). The best-scored arm plays a stint of
+    ``stint`` blocks, then a check (``_schedule``): a challenger, chosen by the highest optimistic
+    score (score plus a bonus that shrinks as its pairs grow), so an arm far behind is seldom
+    checked again. If the best arm changed the stint restarts, else it doubles (up to
+    ``max_stint``): a losing arm costs about one block in every ``max_stint``.
     """
 
-    def __init__(self, block: int = 16, first_stint: int = 2, max_stint: int = 32) -> None:
-        self.block, self.first_stint, self.max_stint = block, first_stint, max_stint
-        self.advantage = 0.0  # running log(drafting / plain tokens per second) over adjacent pairs
-        self.pairs = 0
-        self.last = [0.0, 0.0]  # the latest block rate of each arm
+    def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
+                 max_stint: int = 32, bonus: float = 0.1) -> None:
+        if arms < 2:
+            raise ValueError(f"arms must be at least 2 (plain and one drafting arm), got {arms}")
+        self.n_arms, self.block, self.first_stint, self.max_stint, self.bonus = arms, block, first_stint, max_stint, bonus
+        self.score = [0.0] * arms  # running log(rate / plain rate), from adjacent pairs
+        self.pairs = [0] * arms  # adjacent pairs each arm took part in
+        self.last = [0.0] * arms  # the latest block rate of each arm
+        self.rounds = [0] * arms
+        self.checks = 0
         self.prev_arm = -1  # the arm of the block before the current one
-        self.plan = [1, 0, 1]  # arms of the next blocks: the first two comparisons
+        # The first comparisons: every drafting arm next to a plain block.
+        self.plan = [1, 0] + [a for arm in range(2, arms) for a in (arm, 0)][:-1] if arms > 2 else [1, 0, 1]
         self.arm = self.plan.pop(0)
         self.stint = first_stint
         self.favoured: int | None = None  # the arm the last plan favoured
         self.rounds_left = block
         self.tokens = self.seconds = 0.0  # of the current block
 
+    @property
+    def advantage(self) -> float:
+        """log(best drafting arm's rate / plain's rate)."""
+        return max(self.score[1:])
+
     def record(self, tokens: int, seconds: float, rounds: int = 1) -> None:
         self.tokens += tokens
         self.seconds += seconds
         self.rounds_left -= rounds
+        self.rounds[self.arm] += rounds
         if self.rounds_left > 0:
             return
         rate = self.tokens / max(self.seconds, 1e-9)
         self.tokens = self.seconds = 0.0
         self.rounds_left = self.block
-        self.last[self.arm] = rate
-        if self.prev_arm == 1 - self.arm and min(self.last) > 0:
-            ratio = math.log(self.last[1] / self.last[0])
-            self.advantage = ratio if self.pairs == 0 else 0.7 * self.advantage + 0.3 * ratio
-            self.pairs += 1
-        self.prev_arm = self.arm
+        a, b = self.arm, self.prev_arm
+        self.last[a] = rate
+        if b >= 0 and b != a and self.last[b] > 0:
+            self._pair(a, b, math.log(rate / self.last[b]))
+        self.prev_arm = a
         if not self.plan:
-            self._schedule(1 if self.advantage >= 0 else 0)
+            self._schedule()
         self.arm = self.plan.pop(0)
 
-    def _schedule(self, favoured: int) -> None:
-        """A plan ran out: a stint of the favoured arm, then a check of the other (one block of
-        it and one of the favoured arm, two adjacent pairs)."""
+    def _pair(self, a: int, b: int, ratio: float) -> None:
+        """Adjacent blocks of arms a then b said log(rate a / rate b) = ``ratio``. Only pairs
+        with plain steps count: a drafting arm is scored against plain alone, so one arm's error
+        never spreads to another through their comparison. The score is a running mean that
+        starts from 0 (no advantage) as one observation, then a 0.3 EMA."""
+        if PLAIN not in (a, b):
+            return
+        if a == PLAIN:
+            a, ratio = b, -ratio
+        self.pairs[a] += 1
+        self.pairs[PLAIN] += 1
+        w = max(0.3, 1.0 / (self.pairs[a] + 1))
+        self.score[a] += w * (ratio - self.score[a])
+
+    def _schedule(self) -> None:
+        """A plan ran out: a stint of the best arm, then a check, which ends with a block of
+        the best arm so that the next plan is made with both of its pairs counted. With plain
+        favoured, the check is one block of the drafting arm with the highest optimistic score;
+        with a drafting arm favoured, every other check is one block of plain steps (which keeps
+        the favoured arm's score current), the others a challenger's block then a plain one."""
+        best = max(range(self.n_arms), key=lambda a: (self.score[a], -a))
         if self.favoured is not None:
-            self.stint = self.first_stint if favoured != self.favoured else min(2 * self.stint, self.max_stint)
-        self.favoured = favoured
-        self.plan = [favoured] * self.stint + [1 - favoured, favoured]
+            self.stint = self.first_stint if best != self.favoured else min(2 * self.stint, self.max_stint)
+        self.favoured = best
+        self.checks += 1
+        total = sum(self.pairs) / 2 + 1
+        bonus = lambda a: self.bonus * math.sqrt(math.log(total + 1) / (self.pairs[a] + 1))  # noqa: E731
+        others = [a for a in range(1, self.n_arms) if a != best]
+        challenger = max(others, key=lambda a: (self.score[a] + bonus(a), -a)) if others else PLAIN
+        if best == PLAIN:
+            check = [challenger, PLAIN]
+        elif self.checks % 2 == 1 or challenger == PLAIN:
+            check = [PLAIN, best]
+        else:
+            check = [challenger, PLAIN, best]
+        self.plan = [best] * self.stint + check
+
+    def state(self) -> dict:
+        """What outlives the process (``save_memory``): the scores and how sure they are."""
+        return {"arms": self.n_arms, "score": list(self.score), "pairs": list(self.pairs),
+                "rounds": list(self.rounds), "favoured": self.favoured, "stint": self.stint}
+
+    def restore(self, state: dict) -> None:
+        """Continue from a ``state()`` (ValueError if it is malformed or for other arms): the
+        best arm plays on from its stint, then the checks go on as before."""
+        if not isinstance(state, dict) or state.get("arms") != self.n_arms:
+            raise ValueError(f"planner state must be for {self.n_arms} arms")
+        score, pairs, rounds = state.get("score"), state.get("pairs"), state.get("rounds")
+        lists = (score, pairs, rounds)
+        if any(not isinstance(x, list) or len(x) != self.n_arms for x in lists):
+            raise ValueError("planner state needs score, pairs and rounds per arm")
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in score) \
+                or score[PLAIN] != 0 or any(abs(v) > 10 for v in score):
+            raise ValueError("planner scores must be finite log ratios, plain's 0")
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in pairs + rounds):
+            raise ValueError("planner pairs and rounds must be integers >= 0")
+        stint = state.get("stint")
+        if isinstance(stint, bool) or not isinstance(stint, int) or not 1 <= stint <= self.max_stint:
+            raise ValueError(f"planner stint must be an integer in [1, {self.max_stint}]")
+        self.score, self.pairs, self.rounds = [float(v) for v in score], list(pairs), list(rounds)
+        self.favoured, self.stint = None, stint  # _schedule keeps the stint when nothing was favoured
+        self.prev_arm, self.rounds_left, self.tokens, self.seconds = -1, self.block, 0.0, 0.0
+        self._schedule()
+        self.arm = self.plan.pop(0)
+
+    def summary(self, names: list[str] | None = None) -> dict:
+        names = names or [str(a) for a in range(self.n_arms)]
+        return {"favoured": names[self.favoured if self.favoured is not None else self.arm],
+                "stint_blocks": self.stint,
+                "arms": {names[a]: {"rounds": self.rounds[a], "rate_vs_plain": round(math.exp(self.score[a]), 3),
+                                    "pairs": self.pairs[a]} for a in range(self.n_arms)}}
+
 
 def _clip(measured: float, predicted: float) -> float:
     """A measurement as evidence: within [1/4, 4] of its prediction (a page fault, a scheduler
@@ -218,7 +362,7 @@ class RoundPlanner:
         self.acceptance = self.m.acceptance
         self.context = -1
         self._set_context(0)
-        self.drafted_rounds = self.plain_rounds = 0
+        self.drafted_rounds = self.plain_rounds = self.fixed_rounds = 0
         self.pass_rows: list[int] = []  # rows of each draft pass of the round being built
 
     # ------------------------------------------------------------- costs
@@ -267,15 +411,20 @@ class RoundPlanner:
         return rate.value if rate.den > 0 else 1.0 / (self._profile_oracle(1) + 5e-5)
 
     # ------------------------------------------------------------- decisions
-    def start_round(self, context: int) -> bool:
-        """Whether this round drafts (else it is a plain oracle step): what ``Stints`` says."""
+    def start_round(self, context: int) -> int:
+        """Which arm this round plays (``Stints``): ``PLAIN`` (plain steps), ``PLANNED`` (this
+        planner chooses the tree) or a fixed chain (``arm(index)`` tells which)."""
         self._set_context(context)
         self.pass_rows = []
-        return self.m.stints.arm == 1
+        return self.m.stints.arm
 
     def drafting(self) -> bool:
         """Whether the coming round will draft (what ``start_round`` will say)."""
-        return self.m.stints.arm == 1
+        return self.m.stints.arm != PLAIN
+
+    def arm(self, index: int) -> Arm:
+        """What arm ``index`` (from ``start_round``) plays."""
+        return self.m.arms[index]
 
     def plain_steps(self) -> int:
         """How many plain steps may run back to back now (the rest of the current block)."""
@@ -331,6 +480,12 @@ class RoundPlanner:
         m.rate.add(steps, seconds)
         m.stints.record(steps, seconds, steps)
 
+    def observe_fixed(self, emitted: int, seconds: float) -> None:
+        """A round of a fixed chain emitted ``emitted`` tokens in ``seconds``."""
+        self.fixed_rounds += 1
+        self.m.rate.add(emitted, seconds)
+        self.m.stints.record(emitted, seconds)
+
     def observe(self, tree: Tree, logr: list[float] | None, path: list[int], emitted: int, seconds: float) -> None:
         """A drafted round: the verified tree (a lone root when nothing was worth verifying), the
         accepted path, the tokens emitted and its wall seconds."""
@@ -354,11 +509,12 @@ class RoundPlanner:
                 self.acceptance.observe(math.exp(logr[c]), c in on_path, top=c == top)
 
     def summary(self) -> dict:
-        m, st = self.m, self.m.stints
+        m = self.m
         c = m.cost.coef
-        return {"drafted_rounds": self.drafted_rounds, "plain_rounds": self.plain_rounds,
-                "drafting_advantage": round(math.exp(st.advantage), 3),  # drafting / plain tokens per s
-                "stint_blocks": st.stint, "tokens_per_s": round(m.rate.value, 1),
+        return {"drafted_rounds": self.drafted_rounds, "fixed_rounds": self.fixed_rounds,
+                "plain_rounds": self.plain_rounds,
+                "drafting_advantage": round(math.exp(m.stints.advantage), 3),  # best drafting arm / plain
+                **m.stints.summary([a.name for a in m.arms]), "memory": m.source, "tokens_per_s": round(m.rate.value, 1),
                 "top_child_acceptance": round(self.acceptance.top_rate(), 3),
                 "round_cost": {"oracle_scale": round(float(c[0]), 3), "round_overhead_ms": round(1e3 * float(c[1]), 4),
                                "pass_overhead_ms": round(1e3 * float(c[2]), 4), "draft_scale": round(float(c[3]), 3),

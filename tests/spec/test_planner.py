@@ -12,7 +12,7 @@ import torch
 
 from staged_engine import Engine
 from staged_engine.spec.cost import NODES, CostProfile, load_or_measure, profile_key, profile_path
-from staged_engine.spec.planner import Acceptance, RoundPlanner, Stints
+from staged_engine.spec.planner import Acceptance, RoundPlanner, Stints, arms_for, load_memory, save_memory
 from staged_engine.spec.tree import Tree
 
 VOCAB = 997
@@ -97,7 +97,7 @@ def _run_stints(draft_speedup: float, rounds: int = 6000, seed: int = 0) -> list
     rounds ``draft_speedup`` times as fast, each round with 10% noise. Returns the arm played
     in each round."""
     g = torch.Generator().manual_seed(seed)
-    st, arms = Stints(), []
+    st, arms = Stints(arms=2), []
     for i in range(rounds):
         drift = 1.0 + 0.4 * math.sin(i / 97.0) * math.cos(i / 331.0)
         noise = 1.0 + 0.1 * float(torch.randn(1, generator=g))
@@ -122,13 +122,39 @@ def test_stints_play_the_faster_arm_through_machine_drift(speedup, drafting_shar
 def test_stints_follow_a_change_of_text():
     """Drafting pays for the first half and then stops paying: the arms swap within a few
     hundred rounds."""
-    st, arms = Stints(), []
+    st, arms = Stints(arms=2), []
     for i in range(4000):
         arm = st.arm
         arms.append(arm)
         speedup = 1.3 if i < 2000 else 0.7
         st.record(1, 1.0 / (speedup if arm == 1 else 1.0))
     assert sum(arms[1000:2000]) / 1000 > 0.9 and sum(arms[2600:]) / 1400 < 0.1
+
+
+@pytest.mark.parametrize("speedups,best", [((1.0, 0.9, 1.1, 1.25, 0.95), 3), ((1.0, 0.8, 0.75, 0.7, 0.6), 0),
+                                            ((1.0, 1.05, 1.3, 1.15, 1.0), 2), ((1.0, 0.97, 0.9, 1.2, 1.12), 3)])
+def test_stints_find_the_fastest_of_several_arms_through_machine_drift(speedups, best):
+    """Five arms (plain, planned, three fixed chains), each with its own speed, on a machine
+    drifting by +-40% with 10% noise per round: after the first comparisons the fastest arm
+    plays most rounds, and the rounds lost to checking others stay few."""
+    g = torch.Generator().manual_seed(0)
+    st, played = Stints(), []
+    for i in range(8000):
+        drift = 1.0 + 0.4 * math.sin(i / 97.0) * math.cos(i / 331.0)
+        noise = 1.0 + 0.1 * float(torch.randn(1, generator=g))
+        arm = st.arm
+        played.append(arm)
+        st.record(1, 1.0 / (drift * noise * speedups[arm]))
+    late = played[2000:]
+    assert late.count(best) / len(late) > 0.85, [late.count(a) for a in range(5)]
+    rate = sum(speedups[a] for a in late) / len(late)  # mean speed relative to plain
+    assert rate > 0.95 * speedups[best], rate
+    assert max(range(5), key=lambda a: st.score[a]) == best, st.score
+
+
+def test_stints_arms_are_checked():
+    with pytest.raises(ValueError, match="arms must be at least 2"):
+        Stints(arms=1)
 
 
 def test_another_pass_only_while_the_frontier_is_worth_it():
@@ -203,6 +229,49 @@ def test_profile_is_measured_once_then_reused_and_a_bad_file_is_measured_again(p
             assert CostProfile.from_json(json.load(f), profile_key(eng.oracle, eng.backend)).seconds
 
 
+def test_stints_state_round_trips_and_a_restored_stints_plays_its_best_arm():
+    st = Stints()
+    for i in range(3000):  # fixed_2 (arm 3) is 1.3x plain, the rest slower
+        arm = st.arm
+        st.record(1, 1.0 / (1.3 if arm == 3 else 0.8 if arm else 1.0))
+    state = json.loads(json.dumps(st.state()))
+    again = Stints()
+    again.restore(state)
+    assert again.score == st.score and again.pairs == st.pairs and again.arm == 3
+    for bad in ({**state, "arms": 4}, {**state, "score": [0.1] + state["score"][1:]},
+                {**state, "score": state["score"][:-1]}, {**state, "pairs": [-1] * 5},
+                {**state, "stint": 0}, {**state, "score": [0.0, float("nan"), 0.0, 0.0, 0.0]}, "x"):
+        with pytest.raises(ValueError):
+            Stints().restore(bad)
+
+
+def test_planner_memory_is_kept_across_engine_loads_and_a_bad_file_is_ignored(pair, cache):
+    oracle, draft = pair
+    eng = Engine.from_pretrained(oracle, draft=draft)
+    first = eng.generate([1, 2, 3], max_new_tokens=24, strategy="chain")
+    assert first.stats["planner"]["memory"] == "new"
+    files = list((cache / "planner").glob("*.json"))
+    assert len(files) == 1
+    kept = json.loads(files[0].read_text())
+    second = Engine.from_pretrained(oracle, draft=draft).generate([1, 2, 3], max_new_tokens=24, strategy="chain")
+    assert second.stats["planner"]["memory"] == "cached"
+    assert second.token_ids == first.token_ids
+    other = Engine.from_pretrained(oracle, draft=draft).generate([1, 2, 3], max_new_tokens=8, strategy="chain",
+                                                                 temperature=1.0, seed=0)
+    assert other.stats["planner"]["memory"] == "new"  # sampling keeps its own
+    for bad in ("{not json", json.dumps({**kept, "arms": ["plain", "planned"]}),
+                json.dumps({**kept, "stints": {**kept["stints"], "stint": 10**6}})):
+        files[0].write_text(bad)
+        with pytest.warns(UserWarning, match="ignoring the planner memory"):
+            res = Engine.from_pretrained(oracle, draft=draft).generate([1, 2, 3], max_new_tokens=8, strategy="chain")
+        assert res.stats["planner"]["memory"] == "ignored" and res.token_ids == first.token_ids[:8]
+    memory = load_memory(str(files[0]), arms_for(False))  # the ignored file was written over
+    assert memory.source == "cached"
+    (cache / "file").write_text("")
+    with pytest.warns(UserWarning, match="could not keep the planner memory"):
+        save_memory(str(cache / "file" / "x.json"), memory)  # a file where a directory should be
+
+
 def test_profile_of_a_model_the_engine_lacks_is_refused(pair, cache):
     eng = Engine.from_pretrained(pair[0])
     with pytest.raises(ValueError, match="which"):
@@ -243,7 +312,7 @@ def test_planned_and_fixed_both_equal_plain(engine, strategy, kw):
         assert planned.token_ids == ref and fixed.token_ids == ref
         assert "planner" in planned.stats and "planner" not in fixed.stats
         p = planned.stats["planner"]
-        assert p["drafted_rounds"] + p["plain_rounds"] == planned.stats["oracle_calls"]
+        assert p["drafted_rounds"] + p["fixed_rounds"] + p["plain_rounds"] == planned.stats["oracle_calls"]
 
 
 def test_a_pinned_shape_is_not_planned(engine):

@@ -74,8 +74,10 @@ def test_three_model_cascade(pair, tmp_path):
     for T in (0.0, 1.0):
         for prompt in _prompts(3, 3):
             ref = eng.generate(prompt, max_new_tokens=40, strategy="plain", temperature=T, seed=4)
-            res = eng.generate(prompt, max_new_tokens=40, strategy="staged", temperature=T, seed=4)
-            assert res.token_ids == ref.token_ids
+            for adaptive in (True, False):  # planned (may find plain steps faster), and every round drafted
+                res = eng.generate(prompt, max_new_tokens=40, strategy="staged", temperature=T, seed=4,
+                                   adaptive=adaptive)
+                assert res.token_ids == ref.token_ids
     assert res.stats["draft_calls"] > 0
 
 
