@@ -450,7 +450,28 @@ class NativeGPT2 {
     SE_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kInt64 && positions.sizes() == tokens.sizes() &&
                  positions.scalar_type() == torch::kInt64,
              "tokens and positions must be int64 (B, N) and alike");
-    const int64_t B = tokens.size(0), N = tokens.size(1), R = B * N, L = static_cast<int64_t>(blocks_.size());
+    const torch::Tensor tok = tokens.contiguous(), pos = positions.contiguous();
+    return run(tok.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), tokens.size(0), tokens.size(1), k_all, v_all,
+               writes, starts, M, mask_in, last_only, /*flat=*/false);
+  }
+
+  // One cache row (B = 1) from Python lists: the N new tokens go to slots start + M - N ..; returns
+  // logits (N, V), or (1, V) with last_only. Spares the caller two tensors and a (1, N, V) view.
+  torch::Tensor forward_ids(const std::vector<int64_t>& tokens, const std::vector<int64_t>& positions,
+                            torch::Tensor k_all, torch::Tensor v_all, int64_t start, int64_t M,
+                            const c10::optional<torch::Tensor>& mask_in, bool last_only) {
+    SE_CHECK(tokens.size() == positions.size(), "tokens and positions must have one entry each, got ",
+             tokens.size(), " and ", positions.size());
+    const int64_t N = static_cast<int64_t>(tokens.size());
+    return run(tokens.data(), positions.data(), 1, N, k_all, v_all, {start + M - N}, {start}, M, mask_in, last_only,
+               /*flat=*/true);
+  }
+
+ private:
+  torch::Tensor run(const int64_t* tp, const int64_t* pp, int64_t B, int64_t N, torch::Tensor& k_all,
+                    torch::Tensor& v_all, const std::vector<int64_t>& writes, const std::vector<int64_t>& starts,
+                    int64_t M, const c10::optional<torch::Tensor>& mask_in, bool last_only, bool flat) {
+    const int64_t R = B * N, L = static_cast<int64_t>(blocks_.size());
     SE_CHECK(B >= 1 && N >= 1, "tokens must not be empty");
     SE_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
                  k_all.strides() == v_all.strides() && k_all.stride(4) == 1 &&
@@ -466,9 +487,6 @@ class NativeGPT2 {
       SE_CHECK(starts[b] >= 0 && starts[b] + M <= S, "row ", b, ": slots exceed the cache");
       SE_CHECK(writes[b] == starts[b] + M - N, "row ", b, ": the new tokens must be the last of the m entries");
     }
-    torch::Tensor tok = tokens.contiguous(), pos = positions.contiguous();
-    const int64_t* tp = tok.data_ptr<int64_t>();
-    const int64_t* pp = pos.data_ptr<int64_t>();
     for (int64_t r = 0; r < R; ++r) {
       SE_CHECK(tp[r] >= 0 && tp[r] < V_, "token id ", tp[r], " is outside the vocabulary [0, ", V_, ")");
       SE_CHECK(pp[r] >= 0 && pp[r] < P_, "position ", pp[r], " is outside [0, ", P_, ")");
@@ -488,7 +506,8 @@ class NativeGPT2 {
 
     const int64_t C = C_, C3 = 3 * C_, F = inner_, H = n_head_, D = D_;
     const int64_t out_rows = last_only ? B : R;
-    auto logits = torch::empty({B, last_only ? 1 : N, V_}, torch::dtype(torch::kFloat32));
+    auto logits = flat ? torch::empty({last_only ? 1 : N, V_}, torch::dtype(torch::kFloat32))
+                       : torch::empty({B, last_only ? 1 : N, V_}, torch::dtype(torch::kFloat32));
     std::vector<float> x(R * C), qkv(R * C3), att(R * C), ff(R * F);
     // The residual stream: token + position embeddings.
     const float* wte = wte_.data_ptr<float>();
@@ -565,7 +584,6 @@ class NativeGPT2 {
     return logits;
   }
 
- private:
   int64_t V_ = 0, C_ = 0, P_ = 0, D_ = 0, inner_ = 0, n_head_ = 0;
   float eps_ = 1e-5f;
   Epilogue act_ = Epilogue::kGeluTanh;
@@ -585,6 +603,12 @@ void register_native_forward(py::module& m) {
       .def("forward", &NativeGPT2::forward, "logits (B, N or 1, V) of N new tokens per row; writes their K/V",
            py::arg("tokens"), py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("writes"),
            py::arg("starts"), py::arg("m"), py::arg("mask") = py::none(), py::arg("last_only") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def("forward_ids", &NativeGPT2::forward_ids,
+           "logits (N, V), or (1, V) with last_only, of N new tokens of cache row 0 (lists of ids and "
+           "positions); their K/V go to slots start + m - N ..",
+           py::arg("tokens"), py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"),
+           py::arg("m"), py::arg("mask") = py::none(), py::arg("last_only") = false,
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
       .def_property_readonly("half", &NativeGPT2::half);

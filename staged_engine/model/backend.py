@@ -54,6 +54,12 @@ class Backend:
     def refresh(self, model) -> None:
         """Called once per generation: pick up weights modified in place since the last one."""
 
+    def native_rows(self, model):
+        """A packed model with ``forward_ids`` (one cache row, lists of ids) for ``model`` as it
+        is now, or None: then every pass goes through ``model.forward``. ``ModelRunner`` asks once
+        per generation, after ``refresh``."""
+        return None
+
     def forward_model(self, model, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, writes: list[int], starts: list[int], m: int,
                       tree_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor | None:
@@ -146,6 +152,12 @@ class TorchBackend(Backend):
         """wte, wpe, ln_f weight and bias, then the 12 tensors of every block."""
         flat = [t for layer in model._layer_tensors() for t in layer]
         return [model.wte.weight, model.wpe.weight, model.ln_f.weight, model.ln_f.bias, *flat]
+
+    def native_rows(self, model):
+        w = model.wte.weight
+        if self.native and w.device.type == "cpu" and w.dtype == torch.float32:
+            return self.native_model(model)
+        return None
 
     def forward_model(self, model, tokens, positions, k, v, writes, starts, m, tree_mask, last_only):
         b, n = tokens.shape

@@ -132,6 +132,47 @@ def test_stock_backend_runs_no_native_pass(checkpoints, monkeypatch):
         ModelRunner(model, backend).forward_nodes([1, 2, 3], [0, 1, 2], None)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_list_path_of_a_runner_is_the_tensor_path_bit_for_bit(checkpoints, name, monkeypatch):
+    """ModelRunner passes of one row go to ``forward_ids`` (lists, no module call): the same
+    logits and cache bits as ``model.forward`` over tensors, chains and trees alike."""
+    model = load_model(checkpoints[name])
+    backend = TorchBackend(native=True)
+    ref, k_ref, v_ref = _decode(model, backend, 1, STEPS)
+    runner = ModelRunner(model, backend)
+    runner.reset()
+    tensor_calls = []
+    real = backend.forward_model
+    monkeypatch.setattr(backend, "forward_model", lambda *a: tensor_calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        for (n, tree, commit), want in zip(STEPS, ref):
+            tokens = torch.randint(0, vocab, (1, n), generator=g)[0].tolist()  # _decode's draws
+            base = runner.length + runner.pending
+            mask = None
+            if tree:
+                m = runner.pending + n
+                mask = torch.zeros(n, m, dtype=torch.bool)
+                mask[:, :runner.pending] = True
+                mask[:, runner.pending:] = torch.eye(n, dtype=torch.bool)
+            got = runner.forward_nodes(tokens, list(range(base, base + n)), mask)
+            assert torch.equal(got, want[0])
+            if commit:
+                runner.cache.advance()
+        assert not tensor_calls
+        n = runner.length  # committed slots (the others were never written)
+        assert torch.equal(runner.cache.k[:, :, :, :n], k_ref[:, :, :, :n])
+        assert torch.equal(runner.cache.v[:, :, :, :n], v_ref[:, :, :, :n])
+        runner.reset()
+        runner.prefill([3, 1, 4, 1, 5])
+        step = runner.step(9)
+        assert not tensor_calls
+        full = model.forward(torch.tensor([[3, 1, 4, 1, 5, 9]]), torch.arange(6)[None], model.new_cache(),
+                             backend=backend)[0, -1]
+    assert torch.equal(step, full)
+
+
 def test_fp16_exact_weights_are_streamed_as_fp16(checkpoints):
     """A checkpoint whose values fp16 holds exactly (stored in fp16) is packed as fp16, half the
     bytes, and still matches stock torch; one inexact value keeps the model in fp32."""
@@ -177,6 +218,12 @@ cases = {
     "unit stride": lambda: ok.forward(t, p, k.transpose(3, 4), k.clone().transpose(3, 4), [0], [0], 2),
     "mask must be": lambda: ok.forward(t, p, k, k.clone(), [0], [0], 2, torch.ones(2, 3, dtype=torch.bool)),
     "one entry per row": lambda: ok.forward(t, p, k, k.clone(), [0, 0], [0], 2),
+    "one entry each": lambda: ok.forward_ids([1, 2], [0], k, k.clone(), 0, 2),
+    "is outside the vocabulary": lambda: ok.forward_ids([1, -1], [0, 1], k, k.clone(), 0, 2),
+    "exceed the cache": lambda: ok.forward_ids([1, 2], [0, 1], k, k.clone(), 15, 2),
+    "m (uncommitted": lambda: ok.forward_ids([1, 2], [0, 1], k, k.clone(), 0, 1),
+    "must be (1, ": lambda: ok.forward_ids([1, 2], [0, 1], torch.zeros(1, 2, H, 16, C // H),
+                                           torch.zeros(1, 2, H, 16, C // H), 0, 2),
 }
 for name, call in cases.items():
     try:
@@ -192,7 +239,7 @@ for name, call in cases.items():
 def test_bad_arguments_raise_value_error_in_a_subprocess():
     out = subprocess.run([sys.executable, "-c", BAD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("ok") == 13
+    assert out.stdout.count("ok") == 18
 
 
 def test_a_dtype_the_native_path_does_not_run_falls_back_with_one_warning(checkpoints):
