@@ -28,7 +28,7 @@ try:
 except ImportError:  # the C++ extension is not built: pure torch, same results up to rounding
     _cpu = None
 
-NATIVE_MAX_ROWS = 64  # above this (prefill) the stock GEMM and SDPA are faster
+NATIVE_MAX_ROWS = 64  # a pass over more rows runs the stock GEMM and SDPA; runners prefill in pieces of this size
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 
 
