@@ -165,7 +165,11 @@ def _run_system(eng, hf, system, ids, new_tokens, mode, seed, options):
     s = res.stats
     keep = ("oracle_calls", "draft_calls", "tokens_per_oracle_call", "relative_memory_traffic",
             "overhead_share", "forward_seconds", "decode_seconds", "accepted_lengths")
-    return res.token_ids, {k: s[k] for k in keep if k in s}
+    out = {k: s[k] for k in keep if k in s}
+    if "planner" in s:  # which arm played how many rounds, and whether the memory came from disk
+        out["planner"] = {k: s["planner"][k] for k in ("favoured", "memory", "drafted_rounds", "fixed_rounds",
+                                                        "plain_rounds")}
+    return res.token_ids, out
 
 
 def _summarise(per_system: dict, eng, systems) -> dict:
@@ -211,6 +215,11 @@ def _summarise(per_system: dict, eng, systems) -> dict:
             row["ties"] = sum(bool(r.get("tie")) for r in runs)
             row["mismatches"] = [{"id": r["id"], **r.get("divergence", {})} for r in runs
                                  if not r["identical"] and not r.get("tie")]
+        if "planner" in runs[0]:
+            row["planner_rounds"] = {k: sum(r["planner"][k] for r in runs)
+                                     for k in ("drafted_rounds", "fixed_rounds", "plain_rounds")}
+            row["planner_memory"] = {m: sum(r["planner"]["memory"] == m for r in runs)
+                                     for m in sorted({r["planner"]["memory"] for r in runs})}
         row["runs"] = [{k: v for k, v in r.items() if k != "accepted_lengths"} for r in runs]
         out[s] = row
     return out
