@@ -107,6 +107,7 @@ class SpeculativeDecoder(Decoder):
         super().start(prompt)
         self.planner = self.planner_factory() if self.planner_factory is not None else None
         self.drafter.start(prompt, lazy=self.planner is not None)
+        self._round_end: float | None = None  # when the previous round of this generation ended
 
     def draft_calls(self) -> int:
         return self.drafter.calls
@@ -122,27 +123,36 @@ class SpeculativeDecoder(Decoder):
         if planner is None:
             return self._round(remaining, self.drafter.shape.budget, self.drafter.shape.max_depth)[0]
         oracle = self.oracle
+        # The clock runs from the end of the previous round: what the engine and the caller do
+        # between rounds is paid per round, so an arm with more rounds a token pays more of it.
+        # A gap longer than the round itself is the caller pausing a stream: not the arm's doing.
+        entry = time.perf_counter()
+        t0 = entry if self._round_end is None else self._round_end
         if planner.drafting() and len(self.drafter.unseen) > 4:
-            # The draft's backlog (the prompt, or what plain steps left) is a one-off cost of
-            # switching to drafting: paid here, outside the round the planner judges.
+            # The draft's backlog (the prompt, or what plain steps left) is a cost of switching
+            # to drafting, charged to the round that needs it.
             self.drafter.catch_up()
-        t0 = time.perf_counter()
         arm = planner.start_round(oracle.length)
         if arm == PLAIN:  # plain steps, on the shortest path
             out = self.plain_steps(min(remaining, planner.plain_steps(), PLAIN_BATCH))
             self.drafter.skip(out)
-            planner.observe_steps(len(out), time.perf_counter() - t0)
+            planner.observe_steps(len(out), self._seconds(t0, entry))
             return out
         way = planner.arm(arm)
         self.drafter.use_inner = way.inner
         if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
             emitted = self._round(remaining, way.depth + 1, way.depth)[0]
-            planner.observe_fixed(len(emitted), time.perf_counter() - t0)
+            planner.observe_fixed(min(len(emitted), remaining), self._seconds(t0, entry))
             return emitted
         shape = self.drafter.shape
         emitted, draft, path = self._round(remaining, shape.budget, shape.max_depth, planner)
-        planner.observe(draft.tree, draft.logr, path, len(emitted), time.perf_counter() - t0)
+        planner.observe(draft.tree, draft.logr, path, min(len(emitted), remaining), self._seconds(t0, entry))
         return emitted
+
+    def _seconds(self, t0: float, entry: float) -> float:
+        """The round's seconds on the clock (see ``round``); marks its end."""
+        end = self._round_end = time.perf_counter()
+        return (end - entry) + min(entry - t0, end - entry)
 
     def extra_stats(self) -> dict:
         return {} if self.planner is None else {"planner": self.planner.summary()}

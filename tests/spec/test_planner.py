@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -300,6 +301,37 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (int(torch.randint(2, 30, (1,), generator=g)),), generator=g).tolist()
             for _ in range(n)]
+
+
+def test_the_clock_runs_between_rounds_but_not_through_a_paused_stream(engine):
+    """A round is timed from the end of the one before (the engine's work between rounds is the
+    arm's cost), but a caller pausing between rounds is not charged: the planner's rate stays
+    what the rounds deliver, not what the caller's pauses make of it."""
+    from staged_engine.config import SHAPE_LIMITS
+    from staged_engine.model.runner import ModelRunner
+    from staged_engine.sampling import SamplingConfig, SamplingParams
+    from staged_engine.spec.decoders import SpeculativeDecoder
+    from staged_engine.spec.drafters import ModelDrafter
+    from staged_engine.spec.planner import PlannerMemory
+
+    costs = (engine.cost_profile("oracle"), engine.cost_profile("draft"))
+    rates = []
+    for pause in (0.0, 0.05):
+        memory = PlannerMemory()
+        sampling = SamplingConfig(SamplingParams())
+        drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["chain"])
+        decoder = SpeculativeDecoder(ModelRunner(engine.oracle, engine.backend), sampling, drafter, "chain",
+                                     lambda: RoundPlanner(*costs, memory))
+        with torch.inference_mode():
+            decoder.start(_prompts(1, 3)[0])
+            made = 0
+            while made < 60:
+                made += len(decoder.round(60 - made))
+                time.sleep(pause)
+        rates.append(memory.rate.value)
+    # Charged, 50 ms pauses would cap the rate at 8 tokens (a round's most) / 0.05 s = 160 tok/s.
+    # Not charged, the rounds run slower after a pause (idle threads wake) but not that much.
+    assert rates[1] > 2.5 * 160 and rates[0] > 2.5 * 160, rates
 
 
 @pytest.mark.parametrize("strategy", ["chain", "tree"])
