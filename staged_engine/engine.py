@@ -1,8 +1,6 @@
 """The public API: ``Engine.from_pretrained``, ``Engine.demo``, ``generate``, ``stream``, ``logits``."""
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import threading
 import time
@@ -15,13 +13,13 @@ import torch
 from staged_engine.beam.decoders import make_beam_decoder
 from staged_engine.checks import check_int, is_int
 from staged_engine.config import GenerationConfig, SpecConfig
-from staged_engine.demo_pair import DEMO_DIR, cache_dir, demo_ngram
+from staged_engine.demo_pair import DEMO_DIR, demo_ngram
 from staged_engine.model.backend import Backend, make_backend
 from staged_engine.model.checkpoint import load_model, load_tokenizer
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, choose
-from staged_engine.spec.cost import CostProfile, load_or_measure
+from staged_engine.spec.cost import CostProfile, keyed_path, load_or_measure
 from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
 from staged_engine.spec.planner import PlannerMemory, RoundPlanner, arms_for, load_memory, save_memory
@@ -296,8 +294,7 @@ class Engine:
                 disk_key = {"schema": 1, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
                             "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
                             "greedy": config.params.greedy}
-                digest = hashlib.sha256(json.dumps(disk_key, sort_keys=True).encode()).hexdigest()[:20]
-                path = os.path.join(cache_dir(), "planner", f"{digest}.json")
+                path = keyed_path("planner", disk_key)
                 memory = load_memory(path, arms_for(config.strategy == "staged"))
                 memory.path = path
             self._memories[key] = memory  # most recent last

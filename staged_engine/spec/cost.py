@@ -183,11 +183,16 @@ def measure(runner_factory, key: dict, budget_seconds: float = 1.0) -> CostProfi
     return CostProfile(key, NODES, tuple(contexts), seconds, time.perf_counter() - t_start)
 
 
-def profile_path(key: dict, directory: str | None = None) -> str:
+def keyed_path(kind: str, key: dict, directory: str | None = None) -> str:
+    """The cache file of ``key`` under ``$STAGED_ENGINE_CACHE/<kind>/`` (or ``directory``)."""
     from staged_engine.demo_pair import cache_dir  # noqa: PLC0415
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return os.path.join(directory or os.path.join(cache_dir(), "profiles"), f"{digest}.json")
+    return os.path.join(directory or os.path.join(cache_dir(), kind), f"{digest}.json")
+
+
+def profile_path(key: dict, directory: str | None = None) -> str:
+    return keyed_path("profiles", key, directory)
 
 
 def load_or_measure(model, backend, runner_factory, directory: str | None = None,
