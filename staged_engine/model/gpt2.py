@@ -123,11 +123,7 @@ class GPT2(nn.Module):
         """
         cfg, be = self.config, backend or default_backend()
         b, n = tokens.shape
-        m = cache.pending + n
-        if tree_mask is not None and tuple(tree_mask.shape[-2:]) != (n, m):
-            raise ValueError(f"tree_mask must be ({n}, {m}) for {n} new tokens after {cache.pending} "
-                             f"pending entries, got {tuple(tree_mask.shape)}")
-        writes, starts, m = cache.append(n)
+        writes, starts, m = cache.append(n, tree_mask)
         logits = be.forward_model(self, tokens, positions, cache.k, cache.v, writes, starts, m, tree_mask,
                                   last_only)
         if logits is not None:  # the whole pass in one native call

@@ -63,10 +63,13 @@ class KVCache:
         self.pending = 0
 
     # ------------------------------------------------------------------ one forward pass
-    def append(self, n: int) -> tuple[list[int], list[int], int]:
+    def append(self, n: int, tree_mask=None) -> tuple[list[int], list[int], int]:
         """Reserve slots for a pass of ``n`` new tokens per row: (write starts per row, committed
         lengths per row, uncommitted entries M = pending + n once written). Checked against the
-        cache size; the entries become pending."""
+        cache size, and ``tree_mask`` (if any) against (..., n, M); the entries become pending."""
+        if tree_mask is not None and tuple(tree_mask.shape[-2:]) != (n, self.pending + n):
+            raise ValueError(f"tree_mask must be ({n}, {self.pending + n}) for {n} new tokens after "
+                             f"{self.pending} pending entries, got {tuple(tree_mask.shape)}")
         starts = [length + self.pending for length in self.lengths]
         if max(starts) + n > self.max_len:
             raise ValueError(f"KV cache overflow: {max(starts) + n} slots needed, max_len {self.max_len}")

@@ -55,10 +55,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits = self.model(tokens, positions, self.cache if cache is None else cache, tree_mask, last_only,
                             self.backend)
+        self._count(t0, tokens.numel())
+        return logits
+
+    def _count(self, t0: float, nodes: int) -> None:
         self.forward_seconds += time.perf_counter() - t0
         self.calls += 1
-        self.nodes += tokens.numel()
-        return logits
+        self.nodes += nodes
 
     def prefill(self, tokens: list[int], chunk: int = 512) -> None:
         """Process and commit ``tokens`` after what is already cached (no logits kept). On the
@@ -84,16 +87,10 @@ class ModelRunner:
         if native is None or n > NATIVE_MAX_ROWS:
             return None
         cache = self.cache
-        m = cache.pending + n
-        if tree_mask is not None and tuple(tree_mask.shape[-2:]) != (n, m):
-            raise ValueError(f"tree_mask must be ({n}, {m}) for {n} new tokens after {cache.pending} "
-                             f"pending entries, got {tuple(tree_mask.shape)}")
         t0 = time.perf_counter()
-        _, starts, m = cache.append(n)
+        _, starts, m = cache.append(n, tree_mask)
         logits = native.forward_ids(tokens, positions, cache.k, cache.v, starts[0], m, tree_mask, last_only)
-        self.forward_seconds += time.perf_counter() - t0
-        self.calls += 1
-        self.nodes += n
+        self._count(t0, n)
         return logits
 
     def step(self, token: int) -> torch.Tensor:
