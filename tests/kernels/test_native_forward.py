@@ -254,3 +254,20 @@ def test_a_dtype_the_native_path_does_not_run_falls_back_with_one_warning(checkp
         ra = ref.forward_nodes([1, 2, 3], [0, 1, 2], None)
         rb = ref.forward_nodes([4], [3], None)
     assert torch.equal(a, ra) and torch.equal(b, rb)
+
+
+def test_a_tree_mask_of_the_wrong_shape_is_refused_on_both_paths(checkpoints):
+    """The list path (one-row runner) and the tensor path (model.forward) check the mask in the
+    same place, before any slot is reserved."""
+    model = load_model(checkpoints["odd96"])
+    runner = ModelRunner(model, TorchBackend(native=True))
+    runner.reset()
+    bad = torch.ones(2, 3, dtype=torch.bool)  # 2 new tokens after 0 pending need (2, 2)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match=r"tree_mask must be \(2, 2\)"):
+            runner.forward_nodes([1, 2], [0, 1], bad)
+        assert runner.pending == 0
+        cache = model.new_cache()
+        with pytest.raises(ValueError, match=r"tree_mask must be \(2, 2\)"):
+            model.forward(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), cache, bad)
+        assert cache.pending == 0
