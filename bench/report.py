@@ -202,7 +202,8 @@ def render() -> str:
                              "e2e_identity_all_prompts.json")
     # Measured before the planner compared fixed chains on the clock and before the runner's
     # list path (f1b769e, 66644b7): not shown until re-run.
-    _OLD_CODE.extend(n for n in ("sweep_greedy.json", "sweep_topp.json", "sweep_sampled.json", "temperature.json")
+    _OLD_CODE.extend(n for n in ("sweep_greedy.json", "sweep_topp.json", "sweep_sampled.json", "temperature.json",
+                                 "plain_vs_hf.json")
                      if os.path.isfile(os.path.join(RESULTS, n)))
     sweeps = [r for r in (_load(f"sweep_{m}.json") for m in ("greedy", "topp", "sampled"))
               if r is not None and "planned" in r and f"sweep_{r['mode']}.json" not in _OLD_CODE]
@@ -214,7 +215,7 @@ def render() -> str:
         parts += _plot("temperature.png", "tokens/s against temperature")
     for name, fn in (("plain_vs_hf.json", section_plain_vs_hf), ("forward_cost.json", section_forward_cost),
                      ("forward_cost_draft.json", section_forward_cost)):
-        r = _load(name)
+        r = _load(name) if name not in _OLD_CODE else None
         if r:
             parts += fn(r, name)
             if name == "forward_cost.json":
