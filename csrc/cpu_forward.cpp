@@ -4,8 +4,8 @@
 // Why: for models of a few million parameters a forward pass through torch pays ~100 operator
 // dispatches (layer norms, adds, views, copies) that cost more than the arithmetic. Here the
 // weights are packed once, every step is a plain loop over preallocated buffers, and the two
-// (or more) threads share one OpenMP region per forward, meeting at a barrier after each
-// matrix product, as llama.cpp's graph executor does.
+// (or more) threads share one OpenMP region per forward, meeting at a spin barrier after each
+// matrix product whose output the next step reads in full, as llama.cpp's graph executor does.
 //
 // Packed weights: a linear's (M, K) weight becomes panels of kLanes output features, each
 // stored k-major: panel p holds w[p*kLanes + l, k] at [p][k][l]. A product then broadcasts one
@@ -26,12 +26,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpu_errors.h"
@@ -193,12 +195,10 @@ inline void block_np(int np, const PackedLinear& L, const float* x, int64_t ldx,
   }
 }
 
-// This thread's share of y (R, M) = epilogue(x (R, K) W^T + b): a contiguous range of panel
-// groups, every row. Ends without a barrier.
-void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
-                 Epilogue ep, int tid, int nt) {
-  const int64_t groups = (L.panels + kPanels - 1) / kPanels;
-  const int64_t g0 = groups * tid / nt, g1 = groups * (tid + 1) / nt;
+// Panel groups [g0, g1) of y (R, M) = epilogue(x (R, K) W^T + b), every row. A group is
+// kPanels * kLanes output features (the last may hold fewer).
+void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
+                   Epilogue ep, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t p0 = g * kPanels;
     const int np = static_cast<int>(std::min<int64_t>(kPanels, L.panels - p0));
@@ -212,6 +212,37 @@ void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, i
     }
   }
 }
+
+// This thread's share of y: a contiguous range of panel groups, every row. Ends without a barrier.
+void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
+                 Epilogue ep, int tid, int nt) {
+  const int64_t groups = (L.panels + kPanels - 1) / kPanels;
+  linear_groups(L, x, ldx, y, ldy, R, ep, groups * tid / nt, groups * (tid + 1) / nt);
+}
+
+// The threads of one forward meet here after each step that the next reads in full. A pass
+// over a few rows has ~40 of them and each step takes microseconds, so the wait is a spin on
+// one cache line (tens of ns) instead of the OpenMP barrier's (~300 ns here); a thread that
+// spins long (its partner descheduled) yields its core.
+class SpinBarrier {
+ public:
+  void wait(int n) {
+    if (n <= 1) return;
+    const int g = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.store(g + 1, std::memory_order_release);
+      return;
+    }
+    for (uint32_t spins = 0; gen_.load(std::memory_order_acquire) == g; ++spins) {
+      if (spins < (1u << 16)) _mm_pause(); else std::this_thread::yield();
+    }
+  }
+
+ private:
+  alignas(64) std::atomic<int> count_{0};
+  alignas(64) std::atomic<int> gen_{0};
+};
 
 // y = (x - mean) / sqrt(var + eps) * w + b over one row of C, in a fixed order.
 void layer_norm_row(const float* x, const float* w, const float* b, float eps, int64_t C, float* y) {
@@ -247,10 +278,13 @@ void layer_norm_row(const float* x, const float* w, const float* b, float eps, i
 // (values) of the list index, so the pairing and grouping match the per-query continuation.
 struct HeadQuery {
   const float* q;          // (D)
-  const int64_t* slots;    // its slot list
+  const int64_t* pending;  // its visible pending slots: list entries common, common + 1, ..
+  int64_t common;          // committed slots: list entry s < common is slot s
   int64_t n;               // list length
   float* p;                // scratch, >= n + kLanes
   float* out;              // (D)
+
+  int64_t slot(int64_t s) const { return s < common ? s : pending[s - common]; }
 };
 
 inline void score4(const float* qi, const float* const* kr, int64_t D, float sc, float* dst, int64_t cnt) {
@@ -296,15 +330,15 @@ void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, 
       HeadQuery& hq = qs[q0 + u];
       int64_t s = shared;
       for (; s + 1 < hq.n; s += 2) {
-        const float* v0 = vbase + hq.slots[s] * ks;
-        const float* v1 = vbase + hq.slots[s + 1] * ks;
+        const float* v0 = vbase + hq.slot(s) * ks;
+        const float* v1 = vbase + hq.slot(s + 1) * ks;
         for (int c = 0; c < C; ++c) {
           even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
           odd[u][c] = vfma(vset1(hq.p[s + 1]), vrow(v1, c), odd[u][c]);
         }
       }
       if (s < hq.n) {
-        const float* v0 = vbase + hq.slots[s] * ks;
+        const float* v0 = vbase + hq.slot(s) * ks;
         for (int c = 0; c < C; ++c) even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
       }
       float den = 0.f;  // the softmax normaliser was left in p[n] by head_attention
@@ -332,7 +366,7 @@ void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbas
     for (int64_t s0 = shared; s0 < hq.n; s0 += 4) {
       const int64_t cnt = std::min<int64_t>(4, hq.n - s0);
       const float* kr[4];
-      for (int64_t u = 0; u < 4; ++u) kr[u] = kbase + hq.slots[s0 + std::min(u, cnt - 1)] * ks;
+      for (int64_t u = 0; u < 4; ++u) kr[u] = kbase + hq.slot(s0 + std::min(u, cnt - 1)) * ks;
       score4(hq.q, kr, D, sc, hq.p + s0, cnt);
     }
     float mx = -std::numeric_limits<float>::infinity();
@@ -368,7 +402,7 @@ void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbas
           const int64_t t = std::min<int64_t>(kLanes, D - d0);
           vec acc = vzero();
           for (int64_t s = 0; s < hq.n; ++s) {
-            const float* vr = vbase + hq.slots[s] * ks + d0;
+            const float* vr = vbase + hq.slot(s) * ks + d0;
             acc = vfma(vset1(hq.p[s]), t == kLanes ? vload(vr) : vload_tail(vr, t), acc);
           }
           acc = vmul(acc, vset1(inv));
@@ -520,60 +554,70 @@ class NativeGPT2 {
     float* lp = logits.data_ptr<float>();
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
     const int nt = std::max(1, std::min<int>(at::get_num_threads(), 64));
+    // Whether each head's q, k and v columns are whole panel groups of c_attn: then a thread
+    // computes its own heads' q/k/v, writes their K/V and attends, with no barrier in between.
+    const int64_t group = static_cast<int64_t>(kPanels) * kLanes;
+    const bool heads_own_groups = D % group == 0 && C % group == 0;
+    SpinBarrier barrier;
 
 #pragma omp parallel num_threads(nt)
     {
       const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
       std::vector<float> h(R * C);  // this thread's copy of the normalised rows
-      std::vector<std::vector<int64_t>> lists;  // per query: its visible slots
-      std::vector<HeadQuery> hq;
+      std::vector<std::vector<int64_t>> pend(N);  // per query: its visible pending slots
+      std::vector<HeadQuery> hq(N);
       std::vector<float> p;
+      // Heads go to threads round robin; with whole-group heads only when they divide evenly.
+      const bool own = heads_own_groups && H % nth == 0;
+      // The new tokens' K/V of (row b, head hh) to their cache slots, then its attention.
+      auto attend = [&](int64_t l, int64_t b, int64_t hh) {
+        const int64_t start = starts[b];
+        float* kh = kp + l * s_l + b * s_b + hh * s_h;
+        float* vh = vp + l * s_l + b * s_b + hh * s_h;
+        for (int64_t i = 0; i < N; ++i) {
+          const float* src = &qkv[(b * N + i) * C3 + hh * D];
+          std::copy(src + C, src + C + D, kh + (writes[b] + i) * s_s);
+          std::copy(src + 2 * C, src + 2 * C + D, vh + (writes[b] + i) * s_s);
+        }
+        p.resize(N * (start + M + 2 * kLanes));
+        for (int64_t i = 0; i < N; ++i) {
+          std::vector<int64_t>& sl = pend[i];
+          sl.clear();
+          for (int64_t j = 0; j < M; ++j) {
+            const bool visible = mp ? mp[(mask_per_row ? b * N * M : 0) + i * M + j] : (j <= M - N + i);
+            if (visible) sl.push_back(start + j);
+          }
+          hq[i] = HeadQuery{&qkv[(b * N + i) * C3 + hh * D], sl.data(), start, start + static_cast<int64_t>(sl.size()),
+                            p.data() + i * (start + M + 2 * kLanes), &att[(b * N + i) * C + hh * D]};
+        }
+        head_attention(hq.data(), N, start, kh, vh, s_s, D, scale);
+      };
       for (int64_t l = 0; l < L; ++l) {
         const Block& blk = blocks_[l];
         for (int64_t r = 0; r < R; ++r)
           layer_norm_row(&x[r * C], blk.ln1w.data(), blk.ln1b.data(), eps_, C, &h[r * C]);
-        linear_part(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, tid, nth);
-#pragma omp barrier
-        // The new tokens' keys and values go to their cache slots, (b, h) pairs split over threads.
-        for (int64_t w = tid; w < B * H; w += nth) {
-          const int64_t b = w / H, hh = w % H;
-          float* kd = kp + l * s_l + b * s_b + hh * s_h + writes[b] * s_s;
-          float* vd = vp + l * s_l + b * s_b + hh * s_h + writes[b] * s_s;
-          for (int64_t i = 0; i < N; ++i) {
-            const float* src = &qkv[(b * N + i) * C3 + hh * D];
-            std::copy(src + C, src + C + D, kd + i * s_s);
-            std::copy(src + 2 * C, src + 2 * C + D, vd + i * s_s);
-          }
-        }
-#pragma omp barrier
-        for (int64_t w = tid; w < B * H; w += nth) {
-          const int64_t b = w / H, hh = w % H, start = starts[b];
-          lists.resize(N);
-          hq.resize(N);
-          p.resize(N * (start + M + 2 * kLanes));
-          for (int64_t i = 0; i < N; ++i) {
-            std::vector<int64_t>& sl = lists[i];
-            sl.clear();
-            for (int64_t s = 0; s < start; ++s) sl.push_back(s);
-            for (int64_t j = 0; j < M; ++j) {
-              const bool visible = mp ? mp[(mask_per_row ? b * N * M : 0) + i * M + j] : (j <= M - N + i);
-              if (visible) sl.push_back(start + j);
+        if (own) {
+          for (int64_t hh = tid; hh < H; hh += nth) {
+            for (int64_t part = 0; part < 3; ++part) {  // q, k, v columns of head hh
+              const int64_t g0 = (part * C + hh * D) / group;
+              linear_groups(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, g0, g0 + D / group);
             }
-            hq[i] = HeadQuery{&qkv[(b * N + i) * C3 + hh * D], sl.data(), static_cast<int64_t>(sl.size()),
-                              p.data() + i * (start + M + 2 * kLanes), &att[(b * N + i) * C + hh * D]};
+            for (int64_t b = 0; b < B; ++b) attend(l, b, hh);
           }
-          head_attention(hq.data(), N, start, kp + l * s_l + b * s_b + hh * s_h, vp + l * s_l + b * s_b + hh * s_h,
-                         s_s, D, scale);
+        } else {
+          linear_part(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, tid, nth);
+          barrier.wait(nth);
+          for (int64_t w = tid; w < B * H; w += nth) attend(l, w / H, w % H);
         }
-#pragma omp barrier
+        barrier.wait(nth);
         linear_part(blk.proj, att.data(), C, x.data(), C, R, Epilogue::kResidual, tid, nth);
-#pragma omp barrier
+        barrier.wait(nth);
         for (int64_t r = 0; r < R; ++r)
           layer_norm_row(&x[r * C], blk.ln2w.data(), blk.ln2b.data(), eps_, C, &h[r * C]);
         linear_part(blk.fc, h.data(), C, ff.data(), F, R, act_, tid, nth);
-#pragma omp barrier
+        barrier.wait(nth);
         linear_part(blk.mproj, ff.data(), F, x.data(), C, R, Epilogue::kResidual, tid, nth);
-#pragma omp barrier
+        barrier.wait(nth);
       }
       for (int64_t o = 0; o < out_rows; ++o) {
         const int64_t r = last_only ? o * N + N - 1 : o;

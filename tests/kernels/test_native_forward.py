@@ -108,6 +108,56 @@ def test_native_matches_transformers(checkpoints, name):
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
 
 
+@pytest.fixture(scope="module")
+def head64(tmp_path_factory) -> str:
+    """Heads of 64 dimensions (the demo pair's and GPT-2's): each head's q, k and v columns are
+    whole panel groups, so a thread computes its own heads' q/k/v and attends without a barrier
+    in between; with a thread count that does not divide the heads, the shared path runs."""
+    from ckpt_util import make_hf_checkpoint
+
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("head64") / "m"), seed=5, vocab_size=301,
+                              n_positions=96, n_embd=128, n_layer=2, n_head=2)
+
+
+def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return ((x - y).abs().max() / y.abs().max()).item() < 1e-5
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_each_thread_split_gives_the_single_threads_bits(head64, threads):
+    """The native pass with 2 and 3 threads (3 does not divide the 2 heads, so the shared path
+    runs): the very logits and committed K/V of one thread, on chains, trees and several cache
+    rows; those within 1e-5 of stock torch; and a chain's rows the bits of one-token passes."""
+    model = load_model(head64)
+    saved = torch.get_num_threads()
+    try:
+        for batch in (1, 3):
+            torch.set_num_threads(1)
+            ref, kr, vr = _decode(model, TorchBackend(native=True), batch, STEPS)
+            stock, ks, vs = _decode(model, TorchBackend(native=False), batch, STEPS)
+            torch.set_num_threads(threads)
+            out, ko, vo = _decode(model, TorchBackend(native=True), batch, STEPS)
+            n = sum(s[0] for s in STEPS if s[2])
+            assert all(torch.equal(x, y) for x, y in zip(out, ref))
+            assert torch.equal(ko[:, :, :, :n], kr[:, :, :, :n]) and torch.equal(vo[:, :, :, :n], vr[:, :, :, :n])
+            assert all(_close(x, y) for x, y in zip(out, stock))
+            assert _close(ko[:, :, :, :n], ks[:, :, :, :n]) and _close(vo[:, :, :, :n], vs[:, :, :, :n])
+        g = torch.Generator().manual_seed(3)
+        prompt = torch.randint(0, 301, (30,), generator=g).tolist()
+        new = torch.randint(0, 301, (5,), generator=g).tolist()
+        one, many = (ModelRunner(model, TorchBackend(native=True)) for _ in range(2))
+        with torch.inference_mode():
+            for r in (one, many):
+                r.prefill(prompt)
+            seq = torch.stack([one.step(t) for t in new])
+            assert torch.equal(seq, many.forward_nodes(new, list(range(30, 35)), None))
+            many.commit(list(range(5)))
+        assert torch.equal(one.cache.k[:, :, :, :35], many.cache.k[:, :, :, :35])
+        assert torch.equal(one.cache.v[:, :, :, :35], many.cache.v[:, :, :, :35])
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_weights_changed_in_place_are_picked_up_at_the_next_generation(checkpoints):
     model = load_model(checkpoints["odd96"])
     backend = TorchBackend(native=True)
