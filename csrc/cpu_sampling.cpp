@@ -248,6 +248,53 @@ int64_t argmax_kept(const std::vector<int64_t>& ids, const std::vector<float>& l
   return best;
 }
 
+// The probability mass ranked ahead of token i (larger z, or equal z and a smaller id) under
+// softmax(z) = exp(z - lse); z is padded with -inf to whole vectors.
+double mass_before(const std::vector<float>& z, int64_t V, int64_t i, float lse) {
+  const float zi = z[i];
+  const vec vzi = vset1(zi), vl = vset1(lse);
+  vec acc = vzero();
+  for (int64_t j = 0; j < static_cast<int64_t>(z.size()); j += kLanes) {  // padding is -inf: adds 0
+    const vec x = vload(z.data() + j);
+    const vec e = vexp(vsub(x, vl));
+#if defined(__AVX512F__)
+    acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(x, vzi, _CMP_GT_OQ), acc, e);
+#else
+    acc = vadd(acc, _mm256_and_ps(_mm256_cmp_ps(x, vzi, _CMP_GT_OQ), e));
+#endif
+  }
+  double before = vsum(acc);
+  for (int64_t j = 0; j < i; ++j)  // equal probability, smaller id: ranked ahead too
+    if (z[j] == zi) before += std::exp(static_cast<double>(z[j] - lse));
+  return before;
+}
+
+// The token ranked right after ``prev`` by score (descending, ties to the smaller id) among the
+// first V of sc, or -1 when none has a finite score.
+int64_t next_ranked(const std::vector<float>& sc, int64_t V, int64_t prev) {
+  const float sp = sc[prev];
+  for (int64_t j = prev + 1; j < V; ++j)
+    if (sc[j] == sp) return j;
+  const vec vsp = vset1(sp), ninf = vset1(kNegInf);
+  vec best = ninf;
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) {
+    const vec x = vload(sc.data() + j);
+#if defined(__AVX512F__)
+    best = vmax(best, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vsp, _CMP_LT_OQ), ninf, x));
+#else
+    best = vmax(best, _mm256_blendv_ps(ninf, x, _mm256_cmp_ps(x, vsp, _CMP_LT_OQ)));
+#endif
+  }
+  float mx = vmax_all(best);
+  for (; j < V; ++j)
+    if (sc[j] < sp) mx = std::max(mx, sc[j]);
+  if (!(mx > kNegInf)) return -1;
+  for (int64_t i = 0; i < V; ++i)
+    if (sc[i] == mx) return i;
+  return -1;
+}
+
 int64_t choose_row(const float* row, int64_t V, uint32_t key, const Rule& rule, std::vector<float>& z) {
   if (rule.greedy()) {  // the largest value in one vector pass, then its first index
     vec m = vset1(kNegInf);
@@ -284,25 +331,14 @@ int64_t choose_row(const float* row, int64_t V, uint32_t key, const Rule& rule, 
   std::vector<float> sc;
   const int64_t best = perturbed_scores(z, V, lse, key, sc);
   if (rule.top_p >= 1.0) return best;
-  // Top-p: is the winner kept? Its mass before it (tokens ranked ahead) must be < top_p.
-  const float zb = z[best];
-  const vec vzb = vset1(zb), vl = vset1(lse);
-  vec acc = vzero();
-  for (int64_t j = 0; j < static_cast<int64_t>(z.size()); j += kLanes) {  // padding is -inf: adds 0
-    const vec x = vload(z.data() + j);
-    const vec e = vexp(vsub(x, vl));
-#if defined(__AVX512F__)
-    acc = _mm512_mask_add_ps(acc, _mm512_cmp_ps_mask(x, vzb, _CMP_GT_OQ), acc, e);
-#else
-    acc = vadd(acc, _mm256_and_ps(_mm256_cmp_ps(x, vzb, _CMP_GT_OQ), e));
-#endif
-  }
-  double before = vsum(acc);
-  for (int64_t i = 0; i < best; ++i)  // equal probability, smaller id: ranked before too
-    if (z[i] == zb) before += std::exp(static_cast<double>(z[i] - lse));
-  if (before < rule.top_p) return best;
-  // The winner is cut: the kept set is the sorted prefix holding top_p of the mass. Sort the
-  // 256 likeliest first; only when they hold less than top_p, sort everything.
+  // Top-p: the winner is the best-scored token that the cut keeps. Tokens are tried in the
+  // order of their scores (ties to the smaller id); each is kept if the mass ranked ahead of it
+  // is < top_p. The first is kept unless the noise lifted a token of the tail above the whole
+  // nucleus, so this is one pass over the vocabulary, rarely a few: no sort, however many tokens
+  // the nucleus holds (hundreds to thousands for a small model at T 0.8).
+  for (int64_t cand = best, tries = 0; cand >= 0 && tries < 64; cand = next_ranked(sc, V, cand), ++tries)
+    if (mass_before(z, V, cand, lse) < rule.top_p) return cand;
+  // Pathological rows (NaN, or 64 tail tokens in a row): sort the likeliest tokens.
   z.resize(V);
   std::vector<int64_t> ids;
   std::vector<float> logp;

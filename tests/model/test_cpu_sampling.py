@@ -54,6 +54,23 @@ def test_choose_rows_equals_the_float64_rule(t, top_k, top_p):
     assert mismatches == 0
 
 
+@pytest.mark.parametrize("top_p", [0.95, 0.6])
+def test_top_p_over_a_nucleus_of_thousands_of_tokens_with_the_tail_winning_often(top_p):
+    """A flat row over 4096 tokens (a nucleus of ~1000-3700) and a heavy tail: the best perturbed
+    score often falls outside the nucleus, so the choice walks down the scores to the first kept
+    token. Also rows whose nucleus ends inside a run of tied logits."""
+    g = torch.Generator().manual_seed(int(top_p * 100))
+    v, cut = 4096, 0
+    for trial in range(40):
+        logits = torch.randn(2, v, generator=g) * 0.7
+        logits[1, 2000:2600] = logits[1, :2000].max() - 0.5  # 600 tied tokens
+        seed, positions = trial * 31 + 3, [trial, trial + 500]
+        got = _cpu.choose_rows(logits, seed, positions, 0.9, 0, top_p)
+        assert got == [_reference(logits[r], seed, positions[r], 0.9, 0, top_p) for r in range(2)]
+        cut += sum(a != b for a, b in zip(got, _cpu.choose_rows(logits, seed, positions, 0.9, 0, 1.0)))
+    assert cut >= (2 if top_p > 0.9 else 10)  # the walk past cut tokens was exercised
+
+
 def test_choose_rows_agrees_with_the_torch_rule_and_breaks_ties_by_id():
     v = 300
     logits = torch.randn(4, v, generator=torch.Generator().manual_seed(5)) * 3
