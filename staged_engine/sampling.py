@@ -14,7 +14,7 @@ by the tests as an independent reference.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -226,8 +226,30 @@ class SamplingConfig:
     @cached_property
     def rule(self) -> tuple:
         """(temperature, top_k, top_p, seed): what a native kernel needs to apply this rule."""
+        return _rule(self.params)
+
+    @cached_property
+    def draft_params(self) -> SamplingParams:
+        """What a draft scores its children by at T > 0: its processed distribution over its
+        ``DRAFT_CANDIDATES`` likeliest tokens (fewer under top-k), with no top-p cut."""
         p = self.params
-        return (float(p.temperature), int(p.top_k), float(p.top_p), 0 if p.seed is None else int(p.seed))
+        return replace(p, top_k=DRAFT_CANDIDATES if p.top_k == 0 else min(p.top_k, DRAFT_CANDIDATES), top_p=1.0)
+
+    @cached_property
+    def draft_rule(self) -> tuple:
+        """``rule`` of ``draft_params``."""
+        return _rule(self.draft_params)
+
+
+# A draft's proposal at T > 0 is its perturbed argmax, a guess: only the oracle's choice decides
+# what is emitted. Scoring just the draft's likeliest tokens loses a proposal only when a token
+# outside them wins the perturbed argmax (and the oracle's top-p cut mostly removes such tokens),
+# and spares the noise of the whole vocabulary: 3-4 us a row instead of ~25 on an 8192-token one.
+DRAFT_CANDIDATES = 64
+
+
+def _rule(p: SamplingParams) -> tuple:
+    return (float(p.temperature), int(p.top_k), float(p.top_p), 0 if p.seed is None else int(p.seed))
 
 
 def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,

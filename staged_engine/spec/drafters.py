@@ -170,19 +170,24 @@ class ModelDrafter:
         """Top children of evaluated nodes: (tokens, log r) lists per row, best first.
 
         r is the draft's distribution used for tree scores: softmax(z) at T = 0, else the
-        softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses).
+        softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses)
+        over the draft's likeliest tokens (``SamplingConfig.draft_params``).
         """
         k = min(self.shape.children, logits.shape[-1])
-        if not self.sampling.greedy:
-            native = self.runner.backend.perturbed_children(logits, positions, self.sampling.rule, k)
+        sampling = self.sampling
+        if not sampling.greedy:
+            native = self.runner.backend.perturbed_children(logits, positions, sampling.draft_rule, k)
             if native is not None:
                 return native[0].tolist(), native[1].tolist()
-        sparse = perturbed_top(logits, positions, self.sampling.params, self.sampling.noise)
-        if sparse is not None:  # top-k sampling: only the kept tokens can be children
+            params = sampling.draft_params
+        else:
+            params = sampling.params
+        sparse = perturbed_top(logits, positions, params, sampling.noise)
+        if sparse is not None:  # only the likeliest tokens can be children
             ids, scores = sparse
             vals, order = torch.topk(torch.log_softmax(scores, dim=-1), min(k, ids.shape[-1]), dim=-1)
             return ids.gather(-1, order).tolist(), vals.tolist()
-        scores = perturbed_logprobs(logits, positions, self.sampling.params, self.sampling.noise)
+        scores = perturbed_logprobs(logits, positions, params, sampling.noise)
         idx, vals = self.runner.backend.top_children(scores, k)
         return idx.tolist(), vals.tolist()
 

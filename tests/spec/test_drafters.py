@@ -82,3 +82,31 @@ def test_trees_are_best_first_and_the_cache_follows_acceptance(pair):
     n = ref.length
     assert torch.allclose(runner.cache.k[:, 0, :, :n], ref.cache.k[:, 0, :, :n], atol=1e-5)
     assert torch.allclose(runner.cache.v[:, 0, :, :n], ref.cache.v[:, 0, :, :n], atol=1e-5)
+
+
+def test_draft_children_at_t_above_0_are_the_best_perturbed_scores_among_its_64_likeliest_tokens():
+    """At T > 0 a draft scores only its DRAFT_CANDIDATES likeliest tokens (fewer under top-k, and
+    no top-p cut): its children are the best of log p' + g over them (float64 reference), the
+    native and torch paths agree, and log r is normalised over the same candidates."""
+    from types import SimpleNamespace
+
+    from staged_engine.sampling import DRAFT_CANDIDATES, gumbel_noise, vocab_salt
+
+    v = 1000
+    logits = torch.randn(3, v, generator=torch.Generator().manual_seed(4)) * 2
+    positions = [10, 11, 12]
+    for params in (SamplingParams(0.8, 0, 0.95, 5), SamplingParams(1.0, 0, 1.0, 6), SamplingParams(1.0, 200, 1.0, 7),
+                   SamplingParams(1.0, 20, 1.0, 8)):
+        cfg = SamplingConfig.make(params, v)
+        got = [ModelDrafter(SimpleNamespace(backend=TorchBackend(native=native)), cfg, TreeShape(children=4))
+               ._child_scores(logits, positions) for native in (True, False)]
+        keep = min(DRAFT_CANDIDATES, params.top_k or v)
+        for r in range(3):
+            cand = sorted(range(v), key=lambda i: (-float(logits[r, i]), i))[:keep]
+            z = torch.log_softmax(logits[r, cand].double() / params.temperature, 0)
+            s = z + gumbel_noise(params.seed, positions[r], vocab_salt(v)).double()[torch.tensor(cand)]
+            order = sorted(range(keep), key=lambda j: (-float(s[j]), cand[j]))[:4]
+            want_ids, want_lr = [cand[j] for j in order], (s[order] - torch.logsumexp(s, 0)).tolist()
+            for ids, lr in got:
+                assert ids[r] == want_ids
+                assert torch.allclose(torch.tensor(lr[r], dtype=torch.float64), torch.tensor(want_lr, dtype=torch.float64), atol=1e-4)
