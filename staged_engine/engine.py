@@ -291,7 +291,7 @@ class Engine:
         with self._profile_lock:
             memory = self._memories.pop(key, None)
             if memory is None:
-                disk_key = {"schema": 1, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
+                disk_key = {"schema": 2, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
                             "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
                             "greedy": config.params.greedy}
                 path = keyed_path("planner", disk_key)

@@ -141,7 +141,7 @@ class SpeculativeDecoder(Decoder):
         way = planner.arm(arm)
         self.drafter.use_inner = way.inner
         if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
-            emitted = self._round(remaining, way.depth + 1, way.depth)[0]
+            emitted = self._round(remaining, way.depth + 1, way.depth, lookup=way.lookup)[0]
             planner.observe_fixed(min(len(emitted), remaining), self._seconds(t0, entry))
             return emitted
         shape = self.drafter.shape
@@ -157,15 +157,20 @@ class SpeculativeDecoder(Decoder):
     def extra_stats(self) -> dict:
         return {} if self.planner is None else {"planner": self.planner.summary()}
 
-    def _round(self, remaining: int, budget: int, max_depth: int, planner: RoundPlanner | None = None):
-        """One round: (emitted tokens, the drafted round, the accepted path)."""
+    def _round(self, remaining: int, budget: int, max_depth: int, planner: RoundPlanner | None = None,
+               lookup: bool = False):
+        """One round: (emitted tokens, the drafted round, the accepted path). With ``lookup`` the
+        tree is prompt lookup's chain (``ModelDrafter.build_lookup``), with no draft pass."""
         oracle = self.oracle
         root_position = oracle.length
         n_ctx = min(oracle.max_len, oracle.model.config.n_positions)
         # A node at depth d emits a token at position root + d + 1, which must stay in the window.
         max_depth = min(max_depth, remaining - 1, n_ctx - 1 - root_position - 1)
         budget = min(budget, n_ctx - root_position)
-        draft = self.drafter.build(root_position, budget, max_depth, planner)
+        if lookup:
+            draft = self.drafter.build_lookup(max_depth)
+        else:
+            draft = self.drafter.build(root_position, budget, max_depth, planner)
         tree = draft.tree
         if len(tree) == 1:  # nothing worth verifying: a plain step
             emitted = self.plain_steps(1)

@@ -89,6 +89,43 @@ class NGramDrafter:
         return 0.0
 
 
+class ContextLookup:
+    """Prompt lookup, the stage below every model: the tokens that followed the most recent
+    earlier occurrence of the context's last 3 tokens (else 2, else 1). Code repeats itself
+    (names, call patterns, a loop's body), and a small model's greedy text repeats more, so a
+    continuation seen before is a free guess. Indexed as tokens arrive: a proposal is a few dict
+    lookups however long the context."""
+
+    ORDER = 3
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        # after[n - 1][n-gram] -> the index that followed its latest occurrence
+        self.after: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.ORDER)]
+
+    def reset(self, tokens: list[int]) -> None:
+        self.tokens = []
+        self.after = [{} for _ in range(self.ORDER)]
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        toks, after = self.tokens, self.after
+        for t in tokens:
+            i = len(toks)  # every n-gram ending at i - 1 is now followed by index i
+            for n in range(1, min(self.ORDER, i) + 1):
+                after[n - 1][tuple(toks[i - n:i])] = i
+            toks.append(t)
+
+    def propose(self, depth: int) -> list[int]:
+        """Up to ``depth`` tokens to follow the context, or none when no suffix was seen before."""
+        toks = self.tokens
+        for n in range(min(self.ORDER, len(toks)), 0, -1):
+            j = self.after[n - 1].get(tuple(toks[-n:]))
+            if j is not None:
+                return toks[j:j + depth]
+        return []
+
+
 class _Slots:
     """Visibility bookkeeping of a drafter's pending cache entries within one round."""
 
@@ -126,6 +163,7 @@ class ModelDrafter:
         self.use_inner = True  # whether the inner stage proposes this round (it always learns)
         self.unseen: list[int] = []  # accepted tokens the draft has not processed; last = root
         self.history: list[int] = []  # every accepted token, root included
+        self.lookup: ContextLookup | None = None  # prompt lookup over history, when rounds use it
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, prompt: list[int], lazy: bool = False) -> None:
@@ -139,6 +177,8 @@ class ModelDrafter:
             self.runner.prefill(prompt[:-1])
             self.unseen = [prompt[-1]]
         self.history = list(prompt)
+        if self.lookup is not None:
+            self.lookup.reset(self.history)
         if self.inner is not None:
             self.inner.start(prompt)
 
@@ -469,7 +509,24 @@ class ModelDrafter:
             self.unseen = emitted[evaluated - 1:]
         if self.inner is not None:
             self.inner.observe(emitted, self.history)
-        self.history.extend(emitted)
+        self._extend(emitted)
+
+    def _extend(self, tokens: list[int]) -> None:
+        self.history.extend(tokens)
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+
+    def build_lookup(self, max_depth: int) -> DraftRound:
+        """The oracle's tree for a round drafted by prompt lookup alone (``ContextLookup``): the
+        chain of at most ``max_depth`` tokens that followed the context's suffix before, with no
+        draft pass (a lone root when nothing matches: a plain step)."""
+        if self.lookup is None:
+            self.lookup = ContextLookup()
+            self.lookup.reset(self.history)
+        tree = Tree(self.unseen[-1])
+        for parent, token in enumerate(self.lookup.propose(max_depth) if max_depth > 0 else []):
+            tree.add(parent, token)
+        return DraftRound(tree, list(range(len(tree))), [-1] * len(tree))
 
     def skip(self, tokens: list[int]) -> None:
         """The oracle took plain steps to ``tokens`` without a draft: the draft falls behind by
@@ -477,7 +534,7 @@ class ModelDrafter:
         self.unseen.extend(tokens)
         if self.inner is not None:
             self.inner.observe(tokens, self.history)
-        self.history.extend(tokens)
+        self._extend(tokens)
 
     # ----------------------------------------------------------------- as an inner stage
     def propose(self, context: list[int]) -> tuple[list[int], list[int]]:

@@ -148,25 +148,29 @@ class RoundCost:
 
 # The ways of running rounds that ``Stints`` compares on the clock: plain steps, the rounds
 # ``RoundPlanner`` plans, and fixed chains of 1-3 drafted tokens, with and (staged) without the
-# inner stage's proposals. A cost model can under- or over-draft, and an n-gram stage can cost more
-# than it saves on some machine: a fixed way the clock finds faster here is played instead, and
-# plain steps when nothing drafted pays.
+# inner stage's proposals; for staged also chains of up to 3 tokens from prompt lookup alone (no
+# draft pass: ``ContextLookup``). A cost model can under- or over-draft, and an n-gram stage can
+# cost more than it saves on some machine: a fixed way the clock finds faster here is played
+# instead, and plain steps when nothing drafted pays.
 PLAIN, PLANNED = 0, 1
 FIXED_DEPTHS = (1, 2, 3)
+LOOKUP_DEPTH = 3
 
 
 class Arm(NamedTuple):
     name: str
     depth: int | None = None  # a fixed chain's depth; None: plain steps or planned rounds
     inner: bool = True  # whether the inner stage (n-gram) proposes
+    lookup: bool = False  # the chain comes from prompt lookup, with no draft pass
 
 
 def arms_for(staged: bool) -> tuple[Arm, ...]:
     """The arms of a strategy: the fixed chains run without the inner stage (the chain
-    strategy's), and for staged also with it."""
+    strategy's), and for staged also with it, and prompt lookup's chains."""
     arms = [Arm("plain"), Arm("planned"), *(Arm(f"fixed_{d}", d, False) for d in FIXED_DEPTHS)]
     if staged:
         arms += [Arm(f"fixed_{d}+ngram", d, True) for d in FIXED_DEPTHS]
+        arms += [Arm(f"lookup_{LOOKUP_DEPTH}", LOOKUP_DEPTH, False, True)]
     return tuple(arms)
 
 
@@ -419,8 +423,9 @@ class RoundPlanner:
         return self.m.stints.arm
 
     def drafting(self) -> bool:
-        """Whether the coming round will draft (what ``start_round`` will say)."""
-        return self.m.stints.arm != PLAIN
+        """Whether the coming round will run the draft model (what ``start_round`` will say)."""
+        arm = self.m.stints.arm
+        return arm != PLAIN and not self.m.arms[arm].lookup
 
     def arm(self, index: int) -> Arm:
         """What arm ``index`` (from ``start_round``) plays."""

@@ -388,3 +388,62 @@ def test_profile_command_measures_then_reads_the_cache(pair, cache, capsys, tmp_
     pytest.importorskip("matplotlib")
     assert main(["profile", "--oracle", oracle, "--plot", str(plot)]) == 0
     assert plot.stat().st_size > 1000
+
+
+def test_context_lookup_proposes_what_followed_the_latest_earlier_occurrence():
+    """Against a brute-force scan: the longest suffix (3, 2, then 1 tokens) seen before, and the
+    tokens that followed its most recent earlier occurrence; fed in pieces as rounds would."""
+    from staged_engine.spec.drafters import ContextLookup
+
+    def brute(toks, depth):
+        for n in range(min(3, len(toks)), 0, -1):
+            for s in range(len(toks) - n - 1, -1, -1):
+                if toks[s:s + n] == toks[-n:]:
+                    return toks[s + n:s + n + depth]
+        return []
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        seq = torch.randint(0, 6 if trial % 2 else 40, (200,), generator=g).tolist()
+        look = ContextLookup()
+        look.reset(seq[:5])
+        i = 5
+        while i < len(seq):
+            for depth in (1, 3):
+                assert look.propose(depth) == brute(seq[:i], depth)
+            step = int(torch.randint(1, 4, (1,), generator=g))
+            look.extend(seq[i:i + step])
+            i += step
+    assert ContextLookup().propose(3) == []
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
+def test_rounds_of_prompt_lookup_equal_plain(engine, kw):
+    """Rounds played by the lookup arm (chains from prompt lookup, no draft pass; plain steps
+    when nothing matches), then by a drafting arm whose draft must first catch up on all of
+    them: the output is plain decoding's."""
+    from staged_engine.config import SHAPE_LIMITS
+    from staged_engine.model.runner import ModelRunner
+    from staged_engine.sampling import SamplingConfig, SamplingParams
+    from staged_engine.spec.decoders import SpeculativeDecoder
+    from staged_engine.spec.drafters import ModelDrafter
+    from staged_engine.spec.planner import PlannerMemory
+
+    arms = arms_for(True)
+    lookup = next(i for i, a in enumerate(arms) if a.lookup)
+    costs = (engine.cost_profile("oracle"), engine.cost_profile("draft"))
+    sampling = SamplingConfig.make(SamplingParams(**kw), VOCAB)
+    for prompt in [[3, 4, 5, 3, 4, 5, 3, 4]] + _prompts(2, 7):  # a repeat: lookup proposes at once
+        want = engine.generate(prompt, max_new_tokens=60, strategy="plain", **kw).token_ids
+        memory = PlannerMemory(arms)
+        memory.stints.arm, memory.stints.plan = lookup, [2] * 50  # a block of lookup, then fixed_1
+        drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["staged"])
+        dec = SpeculativeDecoder(ModelRunner(engine.oracle, engine.backend), sampling, drafter, "staged",
+                                 lambda: RoundPlanner(*costs, memory))
+        got = []
+        with torch.inference_mode():
+            dec.start(prompt)
+            while len(got) < 60:
+                got += dec.round(60 - len(got))
+        assert got == want
+        assert memory.stints.rounds[lookup] == 16 and memory.stints.rounds[2] > 0
