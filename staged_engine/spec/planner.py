@@ -231,8 +231,11 @@ class Stints:
     log(rate / plain's rate) (plain's is 0 by definition). The best-scored arm plays a stint of
     ``stint`` blocks, then a check (``_schedule``): a challenger, chosen by the highest optimistic
     score (score plus a bonus that shrinks as its pairs grow), so an arm far behind is seldom
-    checked again. If the best arm changed the stint restarts, else it doubles (up to
-    ``max_stint``): a losing arm costs about one block in every ``max_stint``.
+    checked again. If the best arm changed the stint restarts, else it doubles, up to
+    ``max_stint`` blocks while the challenger's optimistic score is within 10% of the best's
+    rate, twice that within 20%, four times beyond: a losing arm costs about one block in every
+    ``max_stint``, and one that trails far (a check also pays the draft's catch-up on what plain
+    steps left) one in every 4 ``max_stint``.
     """
 
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
@@ -299,14 +302,16 @@ class Stints:
         with a drafting arm favoured, every other check is one block of plain steps (which keeps
         the favoured arm's score current), the others a challenger's block then a plain one."""
         best = max(range(self.n_arms), key=lambda a: (self.score[a], -a))
-        if self.favoured is not None:
-            self.stint = self.first_stint if best != self.favoured else min(2 * self.stint, self.max_stint)
-        self.favoured = best
-        self.checks += 1
         total = sum(self.pairs) / 2 + 1
         bonus = lambda a: self.bonus * math.sqrt(math.log(total + 1) / (self.pairs[a] + 1))  # noqa: E731
         others = [a for a in range(1, self.n_arms) if a != best]
         challenger = max(others, key=lambda a: (self.score[a] + bonus(a), -a)) if others else PLAIN
+        if self.favoured is not None:
+            gap = self.score[best] - (self.score[challenger] + bonus(challenger))
+            cap = self.max_stint * 2 ** min(2, max(0, int(gap / 0.1)))
+            self.stint = self.first_stint if best != self.favoured else min(2 * self.stint, cap)
+        self.favoured = best
+        self.checks += 1
         if best == PLAIN:
             check = [challenger, PLAIN]
         elif self.checks % 2 == 1 or challenger == PLAIN:
@@ -335,8 +340,8 @@ class Stints:
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in pairs + rounds):
             raise ValueError("planner pairs and rounds must be integers >= 0")
         stint = state.get("stint")
-        if isinstance(stint, bool) or not isinstance(stint, int) or not 1 <= stint <= self.max_stint:
-            raise ValueError(f"planner stint must be an integer in [1, {self.max_stint}]")
+        if isinstance(stint, bool) or not isinstance(stint, int) or not 1 <= stint <= 4 * self.max_stint:
+            raise ValueError(f"planner stint must be an integer in [1, {4 * self.max_stint}]")
         self.score, self.pairs, self.rounds = [float(v) for v in score], list(pairs), list(rounds)
         self.favoured, self.stint = None, stint  # _schedule keeps the stint when nothing was favoured
         self.prev_arm, self.rounds_left, self.tokens, self.seconds = -1, self.block, 0.0, 0.0

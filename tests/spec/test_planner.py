@@ -120,6 +120,21 @@ def test_stints_play_the_faster_arm_through_machine_drift(speedup, drafting_shar
     assert drafting_share[0] <= share <= drafting_share[1], share
 
 
+def test_an_arm_far_behind_is_checked_less_often():
+    """A challenger within 10% is checked about one block in every 32 (the drift could make it
+    win); one whose optimistic rate trails by more than 20% (each check also pays the draft's
+    catch-up), about one block in every 128."""
+    def checked(speedup: float) -> float:
+        st, arms = Stints(arms=2), []
+        for _ in range(24000):
+            arms.append(st.arm)
+            st.record(1, 1.0 / (speedup if st.arm == 1 else 1.0))
+        return sum(arms[8000:]) / 16000
+    near, far = checked(0.95), checked(0.6)
+    assert 1 / 40 < near < 1 / 25, near
+    assert far < 1 / 100, far
+
+
 def test_stints_follow_a_change_of_text():
     """Drafting pays for the first half and then stops paying: the arms swap within a few
     hundred rounds."""
