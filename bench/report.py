@@ -198,7 +198,8 @@ def render() -> str:
         parts += _plot("roofline.png", "share of the weight-streaming bound; N-node passes against the roofline")
     r = _load("e2e_identity_all_prompts.json")
     if r:
-        parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, greedy",
+        parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, "
+                                f"{', '.join(r['modes'])}",
                              "e2e_identity_all_prompts.json")
     # Measured before the planner compared fixed chains on the clock and before the runner's
     # list path (f1b769e, 66644b7): not shown until re-run.
