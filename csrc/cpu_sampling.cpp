@@ -64,6 +64,7 @@ inline ivec iramp(int64_t base) {
                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 inline vec itof(ivec a) { return _mm512_cvtepi32_ps(a); }
+inline ivec iload(const uint32_t* p) { return _mm512_loadu_si512(p); }
 // log x for normal x > 0 (Cephes logf: x = m 2^e with m in [sqrt(1/2), sqrt(2)], a degree-8
 // polynomial in m - 1; about 1 ulp).
 inline vec vlog(vec x) {
@@ -83,6 +84,7 @@ inline ivec iramp(int64_t base) {
   return _mm256_add_epi32(iset1(static_cast<uint32_t>(base)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 inline vec itof(ivec a) { return _mm256_cvtepi32_ps(a); }
+inline ivec iload(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vec vlog(vec x) {
   const __m256i bits = _mm256_castps_si256(x);
   vec e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
@@ -117,13 +119,36 @@ inline ivec vmix32(ivec x) {
   return ixor(x, isrl<16>(x));
 }
 
-// g(key)[token0 .. token0 + kLanes)
-inline vec vgumbel(uint32_t key, int64_t token0) {
+// The per-token half of the hash: it depends on the token id alone.
+inline ivec vsalt(int64_t token0) { return vmix32(iadd(imul(iramp(token0), iset1(kGolden)), iset1(kVocabSalt))); }
+
+// g(key) of kLanes tokens from their salts (vsalt).
+inline vec vgumbel_salted(uint32_t key, ivec salt) {
   const ivec k = iset1(key);
-  const ivec salt = vmix32(iadd(imul(iramp(token0), iset1(kGolden)), iset1(kVocabSalt)));
   const ivec h = vmix32(iadd(vmix32(ixor(salt, k)), k));
   const vec u = vmul(vadd(itof(isrl<9>(h)), vset1(0.5f)), vset1(1.0f / 8388608.0f));
   return vsub(vzero(), vlog(vsub(vzero(), vlog(u))));
+}
+
+// g(key)[token0 .. token0 + kLanes)
+inline vec vgumbel(uint32_t key, int64_t token0) { return vgumbel_salted(key, vsalt(token0)); }
+
+// The salts of tokens 0 .. n-1 (n a whole number of vectors), computed once per thread: a whole
+// row's noise then costs two rounds of the hash per token instead of three.
+const uint32_t* salts(int64_t n) {
+  thread_local std::vector<uint32_t> table;
+  const int64_t have = static_cast<int64_t>(table.size());
+  if (have < n) {
+    table.resize(n);
+    for (int64_t j = have; j < n; j += kLanes) {
+#if defined(__AVX512F__)
+      _mm512_storeu_si512(table.data() + j, vsalt(j));
+#else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(table.data() + j), vsalt(j));
+#endif
+    }
+  }
+  return table.data();
 }
 
 inline float gumbel(uint32_t key, int64_t token) {
@@ -162,8 +187,9 @@ int64_t perturbed_scores(const std::vector<float>& z, int64_t V, float lse, uint
   s.resize(padded);
   const vec vl = vset1(lse);
   vec best = vset1(kNegInf);
+  const uint32_t* salt = salts(padded);
   for (int64_t j = 0; j < padded; j += kLanes) {
-    const vec x = vadd(vsub(vload(z.data() + j), vl), vgumbel(key, j));
+    const vec x = vadd(vsub(vload(z.data() + j), vl), vgumbel_salted(key, iload(salt + j)));
     vstore(s.data() + j, x);
     best = vmax(best, x);
   }
