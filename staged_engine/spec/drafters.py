@@ -93,34 +93,27 @@ class ContextLookup:
     """Prompt lookup, the stage below every model: the tokens that followed the most recent
     earlier occurrence of the context's last 3 tokens (else 2, else 1). Code repeats itself
     (names, call patterns, a loop's body), and a small model's greedy text repeats more, so a
-    continuation seen before is a free guess. Indexed as tokens arrive: a proposal is a few dict
-    lookups however long the context."""
+    continuation seen before is a free guess. It reads a token list that only grows (a drafter's
+    accepted history) and indexes what is new at each proposal: a proposal is a few dict lookups
+    however long the context, and a generation that never asks indexes nothing."""
 
     ORDER = 3
 
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.indexed = 0  # tokens[:indexed] are in the index
         # after[n - 1][n-gram] -> the index that followed its latest occurrence
         self.after: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.ORDER)]
 
-    def reset(self, tokens: list[int]) -> None:
-        self.tokens = []
-        self.after = [{} for _ in range(self.ORDER)]
-        self.extend(tokens)
-
-    def extend(self, tokens: list[int]) -> None:
-        toks, after = self.tokens, self.after
-        for t in tokens:
-            i = len(toks)  # every n-gram ending at i - 1 is now followed by index i
-            for n in range(1, min(self.ORDER, i) + 1):
-                after[n - 1][tuple(toks[i - n:i])] = i
-            toks.append(t)
-
     def propose(self, depth: int) -> list[int]:
         """Up to ``depth`` tokens to follow the context, or none when no suffix was seen before."""
-        toks = self.tokens
+        toks, after = self.tokens, self.after
+        for i in range(self.indexed, len(toks)):  # every n-gram ending at i - 1 is followed by i
+            for n in range(1, min(self.ORDER, i) + 1):
+                after[n - 1][tuple(toks[i - n:i])] = i
+        self.indexed = len(toks)
         for n in range(min(self.ORDER, len(toks)), 0, -1):
-            j = self.after[n - 1].get(tuple(toks[-n:]))
+            j = after[n - 1].get(tuple(toks[-n:]))
             if j is not None:
                 return toks[j:j + depth]
         return []
@@ -163,7 +156,7 @@ class ModelDrafter:
         self.use_inner = True  # whether the inner stage proposes this round (it always learns)
         self.unseen: list[int] = []  # accepted tokens the draft has not processed; last = root
         self.history: list[int] = []  # every accepted token, root included
-        self.lookup: ContextLookup | None = None  # prompt lookup over history, when rounds use it
+        self.lookup: ContextLookup | None = None  # prompt lookup over history, made when first used
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, prompt: list[int], lazy: bool = False) -> None:
@@ -177,8 +170,7 @@ class ModelDrafter:
             self.runner.prefill(prompt[:-1])
             self.unseen = [prompt[-1]]
         self.history = list(prompt)
-        if self.lookup is not None:
-            self.lookup.reset(self.history)
+        self.lookup = None
         if self.inner is not None:
             self.inner.start(prompt)
 
@@ -509,20 +501,14 @@ class ModelDrafter:
             self.unseen = emitted[evaluated - 1:]
         if self.inner is not None:
             self.inner.observe(emitted, self.history)
-        self._extend(emitted)
-
-    def _extend(self, tokens: list[int]) -> None:
-        self.history.extend(tokens)
-        if self.lookup is not None:
-            self.lookup.extend(tokens)
+        self.history.extend(emitted)
 
     def build_lookup(self, max_depth: int) -> DraftRound:
         """The oracle's tree for a round drafted by prompt lookup alone (``ContextLookup``): the
         chain of at most ``max_depth`` tokens that followed the context's suffix before, with no
         draft pass (a lone root when nothing matches: a plain step)."""
         if self.lookup is None:
-            self.lookup = ContextLookup()
-            self.lookup.reset(self.history)
+            self.lookup = ContextLookup(self.history)
         tree = Tree(self.unseen[-1])
         for parent, token in enumerate(self.lookup.propose(max_depth) if max_depth > 0 else []):
             tree.add(parent, token)
@@ -534,7 +520,7 @@ class ModelDrafter:
         self.unseen.extend(tokens)
         if self.inner is not None:
             self.inner.observe(tokens, self.history)
-        self._extend(tokens)
+        self.history.extend(tokens)
 
     # ----------------------------------------------------------------- as an inner stage
     def propose(self, context: list[int]) -> tuple[list[int], list[int]]:

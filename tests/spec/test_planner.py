@@ -420,16 +420,14 @@ def test_context_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     g = torch.Generator().manual_seed(0)
     for trial in range(20):
         seq = torch.randint(0, 6 if trial % 2 else 40, (200,), generator=g).tolist()
-        look = ContextLookup()
-        look.reset(seq[:5])
-        i = 5
-        while i < len(seq):
+        history = seq[:5]
+        look = ContextLookup(history)
+        while len(history) < len(seq):
             for depth in (1, 3):
-                assert look.propose(depth) == brute(seq[:i], depth)
+                assert look.propose(depth) == brute(history, depth)
             step = int(torch.randint(1, 4, (1,), generator=g))
-            look.extend(seq[i:i + step])
-            i += step
-    assert ContextLookup().propose(3) == []
+            history.extend(seq[len(history):len(history) + step])
+    assert ContextLookup([]).propose(3) == []
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
