@@ -65,6 +65,7 @@ inline ivec iramp(int64_t base) {
 }
 inline vec itof(ivec a) { return _mm512_cvtepi32_ps(a); }
 inline ivec iload(const uint32_t* p) { return _mm512_loadu_si512(p); }
+inline void istore(uint32_t* p, ivec a) { _mm512_storeu_si512(p, a); }
 // log x for normal x > 0 (Cephes logf: x = m 2^e with m in [sqrt(1/2), sqrt(2)], a degree-8
 // polynomial in m - 1; about 1 ulp).
 inline vec vlog(vec x) {
@@ -85,6 +86,7 @@ inline ivec iramp(int64_t base) {
 }
 inline vec itof(ivec a) { return _mm256_cvtepi32_ps(a); }
 inline ivec iload(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void istore(uint32_t* p, ivec a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), a); }
 inline vec vlog(vec x) {
   const __m256i bits = _mm256_castps_si256(x);
   vec e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
@@ -140,13 +142,7 @@ const uint32_t* salts(int64_t n) {
   const int64_t have = static_cast<int64_t>(table.size());
   if (have < n) {
     table.resize(n);
-    for (int64_t j = have; j < n; j += kLanes) {
-#if defined(__AVX512F__)
-      _mm512_storeu_si512(table.data() + j, vsalt(j));
-#else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(table.data() + j), vsalt(j));
-#endif
-    }
+    for (int64_t j = have; j < n; j += kLanes) istore(table.data() + j, vsalt(j));
   }
   return table.data();
 }
@@ -276,7 +272,7 @@ int64_t argmax_kept(const std::vector<int64_t>& ids, const std::vector<float>& l
 
 // The probability mass ranked ahead of token i (larger z, or equal z and a smaller id) under
 // softmax(z) = exp(z - lse); z is padded with -inf to whole vectors.
-double mass_before(const std::vector<float>& z, int64_t V, int64_t i, float lse) {
+double mass_before(const std::vector<float>& z, int64_t i, float lse) {
   const float zi = z[i];
   const vec vzi = vset1(zi), vl = vset1(lse);
   vec acc = vzero();
@@ -363,7 +359,7 @@ int64_t choose_row(const float* row, int64_t V, uint32_t key, const Rule& rule, 
   // nucleus, so this is one pass over the vocabulary, rarely a few: no sort, however many tokens
   // the nucleus holds (hundreds to thousands for a small model at T 0.8).
   for (int64_t cand = best, tries = 0; cand >= 0 && tries < 64; cand = next_ranked(sc, V, cand), ++tries)
-    if (mass_before(z, V, cand, lse) < rule.top_p) return cand;
+    if (mass_before(z, cand, lse) < rule.top_p) return cand;
   // Pathological rows (NaN, or 64 tail tokens in a row): sort the likeliest tokens.
   z.resize(V);
   std::vector<int64_t> ids;
