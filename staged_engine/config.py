@@ -48,7 +48,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "tree": (*TREE_KNOBS, "adaptive"),
     "staged": (*TREE_KNOBS, "adaptive", "ngram_widths", "ngram_learn"),
     "beam": ("layout",),
-    "dsbd": ("layout", *DSBD_DEFAULTS),
+    "dsbd": ("layout", *DSBD_DEFAULTS, "adaptive"),
 }
 
 
@@ -106,20 +106,28 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class BeamConfig:
-    """beam / dsbd: the cache layout and, for dsbd, the DSBD knobs."""
+    """beam / dsbd: the cache layout and, for dsbd, the DSBD knobs. ``adaptive`` (dsbd): each
+    round's number of drafted layers, 0 to ``gamma``, is chosen by the clock
+    (``spec.planner.dsbd_arms``). Every choice has the same law, but the rounds consume the
+    random stream differently, so a seed fixes the draws only when the rounds are fixed, and
+    memory mode's law depends on where rounds end: the default is adaptive unless ``gamma`` is
+    pinned, the request samples with a seed of its own or asks for memory mode."""
 
     layout: str
     dsbd: DSBDConfig | None = None
+    adaptive: bool = False
 
     @classmethod
-    def from_options(cls, strategy: str, num_beams: int, options: dict) -> "BeamConfig":
+    def from_options(cls, strategy: str, num_beams: int, options: dict, seeded: bool = False) -> "BeamConfig":
         check_options(strategy, options)
         layout = options.get("layout", DEFAULT_LAYOUT)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if strategy == "beam":
             return cls(layout)
-        opts = {**DSBD_DEFAULTS, **{k: v for k, v in options.items() if k != "layout"}}
+        pinned = "gamma" in options or seeded or options.get("memory_mode", False) is True
+        adaptive = _check_bool("adaptive", options.get("adaptive", not pinned))
+        opts = {**DSBD_DEFAULTS, **{k: v for k, v in options.items() if k not in ("layout", "adaptive")}}
         for name in ("gamma", "draft_width", "w_min"):
             check_int(name, opts[name])
         t = opts["threshold"]
@@ -131,7 +139,7 @@ class BeamConfig:
             raise ValueError(f"w_min must be <= num_beams ({num_beams}), got {opts['w_min']}")
         return cls(layout, DSBDConfig(width=num_beams, draft_width=opts["draft_width"], gamma=opts["gamma"],
                                       threshold=float(t), w_min=opts["w_min"], dynamic=opts["dynamic"],
-                                      memory_mode=opts["memory_mode"]))
+                                      memory_mode=opts["memory_mode"]), adaptive)
 
 
 @dataclass(frozen=True)
@@ -157,8 +165,9 @@ class GenerationConfig:
         check_int("num_beams", num_beams)
         if num_beams > 1 and strategy not in ("beam", "dsbd"):
             raise ValueError(f"num_beams > 1 needs strategy 'beam' or 'dsbd', got {strategy!r}")
-        if seed is None and isinstance(temperature, (int, float)) and not isinstance(temperature, bool) \
-                and temperature > 0:
+        sampling = isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0
+        seeded = sampling and seed is not None  # the caller's own seed, which must fix the draws
+        if seed is None and sampling:
             seed = random.getrandbits(63)
         params = SamplingParams(temperature, top_k, top_p, seed)
         _check_bool("token_healing", token_healing)
@@ -167,7 +176,7 @@ class GenerationConfig:
         if strategy in ("chain", "tree", "staged"):
             spec = SpecConfig.from_options(strategy, options)
         elif strategy in ("beam", "dsbd"):
-            beam = BeamConfig.from_options(strategy, num_beams, options)
+            beam = BeamConfig.from_options(strategy, num_beams, options, seeded)
         else:
             check_options(strategy, options)
         return cls(strategy, max_new_tokens, params, num_beams, stop_at_eos, token_healing, spec, beam)

@@ -19,10 +19,17 @@ from staged_engine.model.checkpoint import load_model, load_tokenizer
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, choose
-from staged_engine.spec.cost import CostProfile, keyed_path, load_or_measure
+from staged_engine.spec.cost import CostProfile, keyed_path, load_or_measure, profile_key
 from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
-from staged_engine.spec.planner import PlannerMemory, RoundPlanner, arms_for, load_memory, save_memory
+from staged_engine.spec.planner import (
+    PlannerMemory,
+    RoundPlanner,
+    arms_for,
+    dsbd_arms,
+    load_memory,
+    save_memory,
+)
 
 # Token healing favours keeping the prompt's own last token by this many logits, as HF
 # transformers does, so that 'http' is not healed to 'https' on a whim.
@@ -288,14 +295,27 @@ class Engine:
         it asked for T 0.7 instead of 0.8. A new one starts from what an earlier process kept
         on disk for these models on this machine (``spec.planner.load_memory``)."""
         key = (config.strategy, config.spec.shape, config.spec.ngram_widths, config.params.greedy)
+        disk_key = {"schema": 2, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
+                    "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
+                    "greedy": config.params.greedy}
+        return self._memory(key, disk_key, arms_for(config.strategy == "staged"))
+
+    def _dsbd_memory(self, config: GenerationConfig) -> PlannerMemory:
+        """DSBD's planner memory for this width, layout and set of knobs, greedy or sampling;
+        on disk keyed by the models and this machine as the profiles are."""
+        cfg, layout = config.beam.dsbd, config.beam.layout
+        key = ("dsbd", layout, cfg, config.params.greedy)
+        disk_key = {"schema": 1, "oracle": profile_key(self.oracle, self.backend),
+                    "draft": profile_key(self.draft, self.backend), "strategy": "dsbd", "layout": layout,
+                    "dsbd": vars(cfg), "greedy": config.params.greedy}
+        return self._memory(key, disk_key, dsbd_arms(cfg.gamma))
+
+    def _memory(self, key: tuple, disk_key: dict, arms) -> PlannerMemory:
         with self._profile_lock:
             memory = self._memories.pop(key, None)
             if memory is None:
-                disk_key = {"schema": 2, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
-                            "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
-                            "greedy": config.params.greedy}
                 path = keyed_path("planner", disk_key)
-                memory = load_memory(path, arms_for(config.strategy == "staged"))
+                memory = load_memory(path, arms)
                 memory.path = path
             self._memories[key] = memory  # most recent last
             while len(self._memories) > 32:
@@ -336,7 +356,10 @@ class Engine:
             stop = self.eos_token_id if config.stop_at_eos else None
             return SpeculativeDecoder(oracle, sampling, drafter, config.strategy, factory, stop)
         if config.beam is not None:
-            return make_beam_decoder(self, config.strategy, sampling, config.num_beams, config.beam)
+            memory = None
+            if config.beam.adaptive and config.strategy == "dsbd" and self.draft is not None:
+                memory = self._dsbd_memory(config)
+            return make_beam_decoder(self, config.strategy, sampling, config.num_beams, config.beam, memory)
         return PlainDecoder(oracle, sampling, self.eos_token_id if config.stop_at_eos else None)
 
     def _drafter(self, state: dict, strategy: str, spec: SpecConfig, sampling: SamplingConfig) -> ModelDrafter:
@@ -450,6 +473,8 @@ class Engine:
         planner = getattr(decoder, "planner", None)
         if planner is not None:
             self._keep_memory(planner.m)
+        if getattr(decoder, "memory", None) is not None:
+            self._keep_memory(decoder.memory)
         oracle_bytes = oracle.model.weight_bytes()
         if produced:
             stats["relative_memory_traffic"] = (

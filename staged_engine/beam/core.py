@@ -548,16 +548,19 @@ def _record(stats: dict, width: int, drafted: int, accepted: int) -> None:
 
 def dsbd_round(
     oracle: BeamLM, draft: BeamLM, inputs: Beams, layers_left: int, cfg: DSBDConfig,
-    source: RandomSource, stats: dict,
+    source: RandomSource, stats: dict, gamma: int | None = None,
 ) -> tuple[Beams, int]:
-    """One round: draft a forest, one oracle pass over it, verify layer by layer.
-    Returns the output beams and the number of layers (tokens per beam) they advanced.
+    """One round: draft a forest of ``gamma`` layers (default ``cfg.gamma``), one oracle pass over
+    it, verify layer by layer. Returns the output beams and the number of layers (tokens per
+    beam) they advanced. With gamma 0 the round is one beam-sampling step whose draft pass only
+    scores the inputs (the width rule's q_beam).
 
     Engine mapping: ``oracle.probs`` is the single forward pass over every forest node
     (``Forest.node_prefixes``: inputs, then each drafted layer in draw order; a node that repeats
     another's sequence may share its KV row). The last layer's nodes are evaluated too, for the
     bonus layer drawn when every drafted layer passes."""
-    forest = draft_forest(draft, inputs, cfg.draft_width, min(cfg.gamma, layers_left), source)
+    gamma = cfg.gamma if gamma is None else gamma
+    forest = draft_forest(draft, inputs, cfg.draft_width, min(gamma, layers_left), source)
     stats["draft_calls"] += len(forest.q_cond)
     p_all = oracle.probs(forest.node_prefixes(inputs))  # (n_nodes, V)
     stats["oracle_calls"] += 1
@@ -591,12 +594,25 @@ def dsbd_round(
     return beams, min(len(forest.layers) + 1, layers_left)
 
 
+# Nodes the draft evaluates per pass when it catches up on beam-sampling steps it skipped.
+CATCH_UP_NODES = 64
+
+
 class DSBDRun:
     """DSBD, one round (one oracle pass) per ``step()``. ``dsbd_generate`` runs it to the end;
     the engine's ``dsbd`` strategy runs the very same object one round per call. stats: rounds,
     oracle_calls (one per round), oracle_rows (forest nodes the oracle evaluated), draft_calls;
     per output layer ``widths``, ``drafted`` (drafts whose parent survived, i.e. the candidates
-    open to verification) and ``accepted``; ``input_beams`` per round."""
+    open to verification) and ``accepted``; ``input_beams`` per round.
+
+    Each round may draft its own number of layers (``step(gamma)``, at most ``cfg.gamma``): every
+    round is an exact beam-sampling step per layer, whatever its gamma, so the rounds chain. A
+    round of gamma 0 is beam sampling itself. With a fixed width its draft does not run at all:
+    the draft's cache stays where it was, the beams' draft scores are placeholders, and the first
+    drafted round after such steps catches the draft up (``_catch_up``: a pass per
+    ``CATCH_UP_NODES`` nodes of the beams' new tokens, which also restores their draft scores).
+    With a dynamic width the width rule needs the draft's scores, so a gamma-0 round still scores
+    its inputs with one draft pass."""
 
     def __init__(self, oracle: BeamLM, draft: BeamLM, prompt: Sequence[int], steps: int, rng: Rng,
                  cfg: DSBDConfig = DSBDConfig()) -> None:
@@ -607,30 +623,82 @@ class DSBDRun:
         self.done = 0
         self.stats: dict = {"rounds": 0, "oracle_calls": 0, "oracle_rows": 0, "draft_calls": 0,
                             "widths": [], "drafted": [], "accepted": [], "input_beams": []}
+        self.synced: Beams | None = None  # the draft's beams while it lags (None: it does not)
+        self.lag: list[Beams] = []  # every stride-th round input since, for the catch-up
+        self.stride = max(1, CATCH_UP_NODES // cfg.width)
 
     @property
     def finished(self) -> bool:
         return self.done >= self.steps
 
-    def step(self) -> int:
-        """One round; returns the layers (tokens per beam) it advanced."""
+    def step(self, gamma: int | None = None) -> int:
+        """One round of ``gamma`` drafted layers (default and limit ``cfg.gamma``; 0: a step of
+        beam sampling); returns the layers (tokens per beam) it advanced."""
         if self.finished:
             raise ValueError("DSBD has run all its steps")
+        gamma = self.cfg.gamma if gamma is None else gamma
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 0 <= gamma <= self.cfg.gamma:
+            raise ValueError(f"gamma must be an integer in [0, {self.cfg.gamma}], got {gamma!r}")
         self.stats["rounds"] += 1
         self.stats["input_beams"].append(len(self.beams.seqs))
-        beams, advanced = dsbd_round(self.oracle, self.draft, self.beams, self.steps - self.done, self.cfg,
-                                     self.source, self.stats)
+        if gamma == 0 and not self.cfg.dynamic:
+            if self.synced is None:
+                self.synced, self.lag = self.beams, []
+            beams, advanced = self._beam_step(), 1
+        else:
+            if self.synced is not None:
+                self._catch_up()
+            beams, advanced = dsbd_round(self.oracle, self.draft, self.beams, self.steps - self.done, self.cfg,
+                                         self.source, self.stats, gamma)
         self.done += advanced
         if not self.finished:
             if self.cfg.memory_mode:  # the paper's approximation: only the best beam goes on
                 beams = beams.select([beams.best()])
             self.oracle.advance(beams, None)
-            self.draft.advance(beams, None)
+            if self.synced is None:
+                self.draft.advance(beams, None)
+            elif (len(beams.seqs[0]) - len(self.synced.seqs[0])) % self.stride == 0:
+                self.lag.append(beams)
         self.beams = beams
         return advanced
 
+    def _beam_step(self) -> Beams:
+        """A step of beam sampling with the oracle alone (width ``cfg.width``)."""
+        cond = self.oracle.probs(self.beams.seqs)  # (W, V)
+        self.stats["oracle_calls"] += 1
+        self.stats["oracle_rows"] += cond.shape[0]
+        draws = self.source.categorical(beam_joint(self.beams.log_p, cond), self.cfg.width)
+        _record(self.stats, self.cfg.width, 0, 0)
+        return extend(self.beams, cond, cond, draws)  # log_q: a placeholder until the catch-up
+
+    def _catch_up(self) -> None:
+        """Feed the draft what the beam-sampling steps since ``synced`` added, ``stride`` layers
+        per pass, advancing it to each kept round input and then to the current beams, and give
+        the beams their draft scores."""
+        prev = self.synced
+        targets = self.lag if self.lag and self.lag[-1] is self.beams else [*self.lag, self.beams]
+        for target in targets:
+            start = len(prev.seqs[0])
+            score = {s: lq for s, lq in zip(prev.seqs, prev.log_q.tolist())}
+            prefixes = list(dict.fromkeys(s[:t] for s in _unique(target.seqs) for t in range(start, len(s))))
+            q = self.draft.probs(prefixes)  # (n, V)
+            self.stats["draft_calls"] += 1
+            row = {p: i for i, p in enumerate(prefixes)}
+            log_q = []
+            for s in target.seqs:
+                at = torch.tensor([row[s[:t]] for t in range(start, len(s))])
+                log_q.append(score[s[:start]] + float(torch.log(q[at, list(s[start:])]).sum()))
+            target = Beams(target.seqs, target.log_p, torch.tensor(log_q, dtype=torch.float64))
+            self.draft.advance(target, None)
+            prev = target
+        self.beams, self.synced, self.lag = prev, None, []
+
     def result(self) -> BeamResult:
         return BeamResult(self.beams.seqs, self.beams.log_p, self.beams.seqs[self.beams.best()], self.stats)
+
+
+def _unique(seqs: Sequence[Prefix]) -> list[Prefix]:
+    return list(dict.fromkeys(seqs))
 
 
 def dsbd_generate(

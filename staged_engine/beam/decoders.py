@@ -35,6 +35,7 @@ holds the rest of the prompt).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ import numpy as np
 import torch
 
 from staged_engine.beam.core import (
+    CATCH_UP_NODES,
     Beams,
     BeamSampling,
     DSBDConfig,
@@ -55,6 +57,7 @@ from staged_engine.model.kv_cache import KVCache
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, SamplingParams, processed_probs
 from staged_engine.spec.decoders import Decoder
+from staged_engine.spec.planner import PlannerMemory
 
 if TYPE_CHECKING:  # the engine validates options into it (staged_engine.config)
     from staged_engine.config import BeamConfig
@@ -63,8 +66,9 @@ PREFILL_CHUNK = 512
 
 
 def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams: int,
-                      config: BeamConfig) -> Decoder:
-    """The decoder for strategy ``"beam"`` or ``"dsbd"`` on ``engine``'s oracle (and draft)."""
+                      config: BeamConfig, memory: PlannerMemory | None = None) -> Decoder:
+    """The decoder for strategy ``"beam"`` or ``"dsbd"`` on ``engine``'s oracle (and draft);
+    ``memory``: DSBD's planner memory (None: every round drafts ``gamma`` layers)."""
     layout = config.layout
     if strategy == "beam":
         rows, slack = (1, 4 * num_beams + 1) if layout == "tree" else (num_beams, 1)
@@ -79,8 +83,12 @@ def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams
     # Slots past the committed length: a round's forest (root, drafts, the draft's bonus pass),
     # plus in the tree layout the beams' own suffixes (the cache grows if they outgrow it).
     slack = 1 + cfg.draft_width * cfg.gamma + num_beams + (4 * num_beams if layout == "tree" else 0)
+    # The draft's catch-up on skipped beam-sampling steps puts up to max(CATCH_UP_NODES, W)
+    # nodes on one row.
+    draft_slack = slack + (max(CATCH_UP_NODES, num_beams) if memory is not None else 0)
     return DSBDDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack),
-                       _beam_runner(engine.draft, engine.backend, rows, slack), sampling, cfg, layout, slack)
+                       _beam_runner(engine.draft, engine.backend, rows, draft_slack), sampling, cfg, layout,
+                       slack, memory)
 
 
 def _beam_runner(model: GPT2, backend: Backend, rows: int, extra_slots: int) -> ModelRunner:
@@ -200,6 +208,9 @@ class RowForestLM:
     def _evaluate(self, new: list[list[Prefix]]) -> None:
         view = self.view
         rows, width, pending = len(new), max(len(keys) for keys in new), view.pending
+        if width == 1 and pending == 0 and all(new):  # every row's root alone: a beam-sampling step
+            self._evaluate_roots([keys[0] for keys in new])
+            return
         tokens = np.zeros((rows, width), dtype=np.int64)
         positions = np.full((rows, width), self.rows.length, dtype=np.int64)
         mask = np.zeros((rows, width, pending + width), dtype=np.bool_)  # (R, N, P + N)
@@ -227,6 +238,19 @@ class RowForestLM:
             self.dist[r][key] = dist[m]
         self.nodes += len(real_keys)
         self.batch_tokens += rows * width
+
+    def _evaluate_roots(self, roots: list[Prefix]) -> None:
+        """The round's roots, one a row, with nothing pending: no tree mask to build or apply."""
+        dev = self.rows.runner.device
+        tokens = torch.tensor([[key[-1]] for key in roots], dtype=torch.int64, device=dev)
+        positions = torch.full((len(roots), 1), self.rows.length, dtype=torch.int64, device=dev)
+        logits = self.rows.forward(self.view, tokens, positions, None)[:, 0]  # (R, V)
+        dist = processed_probs(logits, self.params).double().cpu()
+        for r, key in enumerate(roots):
+            self.entries[r][key] = 0
+            self.dist[r][key] = dist[r]
+        self.nodes += len(roots)
+        self.batch_tokens += len(roots)
 
     def finish(self, outputs: list[Prefix]) -> None:
         """Commit each distinct output beam's path (its tokens but the last, which is the next
@@ -425,13 +449,16 @@ class _BeamBase(Decoder):
     def _make_run(self, steps: int) -> BeamSampling | DSBDRun:
         raise NotImplementedError
 
+    def _step(self) -> int:
+        return self.run.step()
+
     def round(self, remaining: int) -> list[int]:
         """One step of the run (one oracle pass). Returns the new tokens that every live beam
         shares (possibly none); once the run is over, the rest of the best beam. The first call
         fixes the generation's length at ``remaining`` tokens per beam."""
         if self.run is None:
             self.run = self._make_run(remaining)
-        self.accepted_lengths.append(self.run.step())
+        self.accepted_lengths.append(self._step())
         beams = self.run.beams
         if self.run.finished:
             fixed = list(beams.seqs[beams.best()][1:])
@@ -478,20 +505,42 @@ class BeamDecoder(_BeamBase):
 
 
 class DSBDDecoder(_BeamBase):
-    """Dynamic-width speculative beam decoding (ALGORITHMS.md sec. 9) on a draft and an oracle."""
+    """Dynamic-width speculative beam decoding (ALGORITHMS.md sec. 9) on a draft and an oracle.
+
+    With a planner ``memory`` (the default unless ``gamma`` is pinned) each round's number of
+    drafted layers is an arm of its ``Stints`` (``spec.planner.dsbd_arms``): 0, beam sampling
+    itself, is the reference the clock compares the drafted arms with, in adjacent blocks of
+    rounds, and the fastest plays. Every arm has the same law, so the choice never changes what
+    is drawn from, only how fast."""
 
     name = "dsbd"
 
     def __init__(self, oracle: ModelRunner, draft: ModelRunner, sampling: SamplingConfig,
-                 cfg: DSBDConfig, layout: str, slack: int) -> None:
+                 cfg: DSBDConfig, layout: str, slack: int, memory: PlannerMemory | None = None) -> None:
         super().__init__(oracle, sampling, cfg.width, layout, slack)
         self.draft = draft
         self.draft_lm = _beam_lm(draft, self.params, layout, slack)
         self.cfg = cfg
+        self.memory = memory
+        self._round_end: float | None = None
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
         self.draft_lm.start(self.prompt)
+        self._round_end = None
+
+    def _step(self) -> int:
+        if self.memory is None:
+            return self.run.step()
+        # Timed like SpeculativeDecoder.round: from the end of the previous round, a gap longer
+        # than the round itself (the caller pausing a stream) counted as the round's length.
+        stints = self.memory.stints
+        entry = time.perf_counter()
+        t0 = entry if self._round_end is None else self._round_end
+        advanced = self.run.step(min(self.memory.arms[stints.arm].depth, self.cfg.gamma))
+        end = self._round_end = time.perf_counter()
+        stints.record(advanced, (end - entry) + min(entry - t0, end - entry))
+        return advanced
 
     def draft_calls(self) -> int:
         return self.draft.calls
@@ -527,4 +576,6 @@ class DSBDDecoder(_BeamBase):
             "draft_batch_tokens": self.draft_lm.batch_tokens,
             "draft_cache_rows": self.draft.cache.batch,
         })
+        if self.memory is not None:
+            out["planner"] = self.memory.stints.summary([a.name for a in self.memory.arms])
         return out

@@ -174,6 +174,13 @@ def arms_for(staged: bool) -> tuple[Arm, ...]:
     return tuple(arms)
 
 
+def dsbd_arms(gamma: int) -> tuple[Arm, ...]:
+    """DSBD's arms: rounds of 0 (beam sampling itself, the arm the others are timed against),
+    1, 2 and 4 drafted layers, up to the request's ``gamma``, and ``gamma`` itself."""
+    depths = sorted({0, *(g for g in (1, 2, 4) if g <= gamma), gamma})
+    return tuple(Arm(f"gamma_{g}", g, False) for g in depths)
+
+
 class PlannerMemory:
     """What the planner learns about this machine, these models, this sampling rule and this
     kind of text; shared by the generations of one engine with one strategy and rule."""

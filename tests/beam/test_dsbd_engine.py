@@ -194,6 +194,69 @@ def test_dsbd_matches_core_on_hf(engine, hf, layout, memory_mode, dynamic, width
     assert s["new_tokens"] == steps and sum(s["accepted_lengths"]) == steps
 
 
+class _Schedule:
+    """Stand-in for a planner memory's ``Stints``: the arm of every round, in order."""
+
+    def __init__(self, arms: list[int]) -> None:
+        self.arms, self.arm, self.recorded = list(arms), arms[0], []
+
+    def record(self, tokens: int, seconds: float, rounds: int = 1) -> None:
+        self.recorded.append(tokens)
+        self.arm = self.arms[len(self.recorded) % len(self.arms)]
+
+    def summary(self, names=None) -> dict:
+        return {}
+
+
+@pytest.mark.parametrize("layout,dynamic,width", [("tree", False, 2), ("rows", False, 3), ("rows", True, 2)])
+def test_adaptive_dsbd_rounds_match_core_on_hf(engine, hf, monkeypatch, layout, dynamic, width):
+    """The planner's rounds of 0-3 drafted layers, the draft left behind on beam-sampling steps
+    and caught up a stride at a time (2 nodes a pass), give draw for draw what the core's run
+    with the same gammas gives on HF full-recompute models."""
+    monkeypatch.setattr(core, "CATCH_UP_NODES", 2 * width)
+    arms = [0, 0, 0, 3, 0, 1, 0, 0, 0, 0, 2, 2]  # dsbd_arms(3): gammas 0, 1, 2, 3
+    memories = []
+    real = Engine._dsbd_memory
+
+    def scheduled(self, config):
+        memory = real(self, config)
+        memory.stints = _Schedule(arms)
+        memories.append(memory)
+        return memory
+
+    monkeypatch.setattr(Engine, "_dsbd_memory", scheduled)
+    monkeypatch.setattr(Engine, "_keep_memory", lambda self, memory: None)
+    prompt, steps, seed, temperature = _prompt(9, 41), 20, 12, 1.0
+    opts = dict(gamma=3, draft_width=3, threshold=0.7, w_min=1, dynamic=dynamic)
+    res = engine.generate(prompt, max_new_tokens=steps, strategy="dsbd", num_beams=width, adaptive=True,
+                          temperature=temperature, seed=seed, layout=layout, **opts)
+    assert [a.depth for a in memories[0].arms] == [0, 1, 2, 3]
+    rounds = res.stats["rounds"]
+    assert rounds > len(arms)  # the schedule came round again
+    oracle = HFBeamLM(hf[0], prompt[:-1], temperature, 0, 1.0)
+    draft = HFBeamLM(hf[1], prompt[:-1], temperature, 0, 1.0)
+    run = core.DSBDRun(oracle, draft, prompt[-1:], steps, torch.Generator().manual_seed(seed),
+                       DSBDConfig(width=width, **opts))
+    for r in range(rounds):
+        run.step(arms[r % len(arms)])
+    assert run.finished
+    s = res.stats
+    assert s["beam_token_ids"] == [list(b[1:]) for b in run.beams.seqs]
+    assert max(abs(a - b) for a, b in zip(s["beam_scores"], run.beams.log_p.tolist())) < 1e-3
+    assert s["beam_widths"] == run.stats["widths"] and s["beams_accepted"] == run.stats["accepted"]
+
+
+def test_seeded_or_pinned_dsbd_is_not_adaptive(engine):
+    """A seed of the caller's, a pinned gamma or memory mode fix the rounds (and so the draws);
+    otherwise the clock picks each round's gamma."""
+    kw = dict(max_new_tokens=6, strategy="dsbd", num_beams=2, temperature=1.0)
+    assert "planner" in engine.generate([1, 2, 3], **kw).stats
+    assert "planner" not in engine.generate([1, 2, 3], seed=3, **kw).stats
+    assert "planner" not in engine.generate([1, 2, 3], gamma=2, **kw).stats
+    assert "planner" not in engine.generate([1, 2, 3], memory_mode=True, **kw).stats
+    assert "planner" in engine.generate([1, 2, 3], seed=3, adaptive=True, **kw).stats
+
+
 # --------------------------------------------------------------------------------------------
 # (b) a draft identical to the oracle has every drafted candidate accepted
 # --------------------------------------------------------------------------------------------

@@ -15,11 +15,14 @@ import pytest
 import torch
 from markov_lm import MarkovLM, random_markov
 
+import staged_engine.beam.core as core
 from staged_engine.beam.core import (
     DSBDConfig,
+    DSBDRun,
     acceptance_alphas,
     beam_joint,
     beam_sample,
+    draft_log_scores,
     dsbd_generate,
     dsbd_width_rule,
     dynamic_width,
@@ -288,6 +291,58 @@ def test_dsbd_law_exact(vocab: int, seed: int, width: int, draft_width: int, gam
         assert widths_seen == {1, 2}, widths_seen  # the rule really varies the width here
         closed = closed_form_beam_law(oracle, PROMPT, steps, lambda b: rule(b, _p_beam(oracle, b)))
         assert max_gap(as_multisets(reference), closed) < 1e-9
+
+
+SCHEDULED_RUNS = [  # vocab, seed, width, gamma, dynamic, memory_mode, per-round gammas, catch-up nodes
+    (2, 1, 2, 2, False, False, (0, 2, 0), 64),  # the draft lags one step, then drafts
+    (2, 2, 2, 2, False, False, (0, 0, 1), 2),  # a lag of two steps caught up one per pass
+    (2, 4, 2, 1, True, False, (0, 1, 0), 64),  # dynamic width: a gamma-0 round still scores
+    (2, 1, 2, 2, False, True, (0, 0, 1, 0), 4),  # memory mode: one beam per round, lagging
+]
+
+
+@pytest.mark.parametrize("vocab,seed,width,gamma,dynamic,memory_mode,schedule,nodes", SCHEDULED_RUNS)
+def test_dsbd_rounds_of_any_gamma_keep_the_law(monkeypatch, vocab, seed, width, gamma, dynamic, memory_mode,
+                                               schedule, nodes) -> None:
+    """Rounds that draft any number of layers, 0 (beam sampling itself, the draft left behind
+    with a fixed width) included, chain into beam sampling's exact law (not checked in memory
+    mode, whose law depends on where rounds end), and the draft's catch-up gives the beams their
+    true draft scores."""
+    monkeypatch.setattr(core, "CATCH_UP_NODES", nodes)
+    oracle, draft = _markov_pair(vocab, seed)
+    cfg = DSBDConfig(width=width, draft_width=2, gamma=gamma, threshold=0.5, w_min=1, dynamic=dynamic,
+                     memory_mode=memory_mode)
+    steps = len(schedule)  # the last round is cut to the layers left
+    start = len(PROMPT)
+
+    def run(source: _Replay, gammas=schedule) -> tuple:
+        r = DSBDRun(oracle, draft, PROMPT, steps, source, cfg)
+        for g in gammas:
+            if r.finished:
+                break
+            r.step(g)
+            if r.synced is None:  # the draft is level with the beams: their scores are its own
+                want = draft_log_scores(draft, r.beams.seqs, start)
+                assert torch.allclose(r.beams.log_q, want, atol=1e-12), (r.beams.log_q, want)
+        while not r.finished:
+            r.step(0)
+        return tuple(r.beams.seqs)
+
+    law = exact_law(run)
+    assert abs(sum(law.values()) - 1.0) < 1e-12
+    if memory_mode:  # the paper's approximation: its law depends on where rounds end
+        return
+    rule = dsbd_width_rule(draft, start, width, cfg.draft_width, cfg.threshold, 1) if dynamic else None
+    reference = exact_law(lambda s: tuple(beam_sample(oracle, PROMPT, width, steps, s, rule).seqs))
+    assert max_gap(law, reference) < 1e-9
+
+
+def test_dsbd_step_refuses_a_gamma_out_of_range() -> None:
+    oracle, draft = _markov_pair(2, 1)
+    r = DSBDRun(oracle, draft, PROMPT, 4, torch.Generator().manual_seed(0), DSBDConfig(width=2, gamma=2))
+    for bad in (-1, 3, 1.0, True):
+        with pytest.raises(ValueError, match="gamma must be an integer in"):
+            r.step(bad)
 
 
 def _p_beam(lm: MarkovLM, beams: tuple) -> torch.Tensor:
