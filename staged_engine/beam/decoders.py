@@ -413,9 +413,10 @@ def _generator(params: SamplingParams) -> TorchRandom:
     return TorchRandom(torch.Generator().manual_seed(params.seed if params.seed is not None else 0))
 
 
-def _common_prefix(seqs: list[Prefix]) -> int:
+def _common_prefix(seqs: list[Prefix], known: int = 0) -> int:
+    """Length of the longest common prefix of ``seqs``, known to be at least ``known``."""
     first, n = seqs[0], min(len(s) for s in seqs)
-    i = 0
+    i = known
     while i < n and all(s[i] == first[i] for s in seqs):
         i += 1
     return i
@@ -438,13 +439,14 @@ class _BeamBase(Decoder):
         self.prompt: list[int] = []
         self.run: BeamSampling | DSBDRun | None = None
         self.emitted = 0  # tokens of the best final beam already returned
+        self.common = 0  # the live beams' common prefix (it only grows: they descend from it)
 
     def start(self, prompt: list[int]) -> None:
         self.prompt = list(prompt)
         self.oracle_lm.start(self.prompt)
         self.accepted_lengths = []
         self.run = None
-        self.emitted = 0
+        self.emitted = self.common = 0
 
     def _make_run(self, steps: int) -> BeamSampling | DSBDRun:
         raise NotImplementedError
@@ -461,10 +463,14 @@ class _BeamBase(Decoder):
         self.accepted_lengths.append(self._step())
         beams = self.run.beams
         if self.run.finished:
-            fixed = list(beams.seqs[beams.best()][1:])
-        else:  # sequences start at the prompt's last token
-            fixed = list(beams.seqs[0][1:_common_prefix(beams.seqs)])
-        new, self.emitted = fixed[self.emitted:], max(self.emitted, len(fixed))
+            seq = beams.seqs[beams.best()]
+            end = len(seq)
+        else:
+            self.common = _common_prefix(beams.seqs, self.common)
+            seq, end = beams.seqs[0], self.common
+        # Sequences start at the prompt's last token: generated tokens are seq[1:end].
+        new = list(seq[1 + self.emitted:end])
+        self.emitted = max(self.emitted, end - 1)
         return new
 
     def extra_stats(self) -> dict:
