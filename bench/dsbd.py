@@ -181,9 +181,20 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
 
 
 def verdict(result: dict) -> list[str]:
-    """The issue's targets, checked on this run."""
+    """The issues' targets, checked on this run: issue 8 (DSBD at least 1.5x beam sampling at no
+    lower log-prob) and, with a fixed width, issue 14's (at least 1.0x beam sampling with one
+    cache row per beam, at a mean log-prob within 0.1 of it)."""
     sy = result["systems"]
     lines = []
+    opts = result.get("dsbd_options", {}).get("dsbd", {})
+    if "dsbd" in sy and "beam_rows" in sy and opts.get("dynamic") is False:
+        r, b = sy["dsbd"], sy["beam_rows"]
+        x, gap = r["median_speedup_vs_beam_rows"], abs(r["mean_logprob"] - b["mean_logprob"])
+        ok = x >= 1.0 and gap <= 0.1
+        how = "the clock choosing each round's gamma" if opts.get("adaptive") else "every round at full gamma"
+        lines.append(f"- fixed-width dsbd ({how}) vs beam_rows (W={result['num_beams']}): {x:.2f}x, log-prob/token "
+                     f"{r['mean_logprob']:.3f} vs {b['mean_logprob']:.3f} (gap {gap:.3f}) -> target (>= 1.0x, gap "
+                     f"<= 0.1) {'MET' if ok else 'NOT MET'}")
     for d in ("dsbd", "dsbd_memory"):
         for base in BASELINES:
             if d in sy and base in sy:

@@ -201,11 +201,8 @@ def render() -> str:
         parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, "
                                 f"{', '.join(r['modes'])}",
                              "e2e_identity_all_prompts.json")
-    # Measured before the planner compared fixed chains on the clock and before the runner's
-    # list path (f1b769e, 66644b7): not shown until re-run.
-    _OLD_CODE.extend(n for n in ("sweep_greedy.json", "sweep_topp.json", "sweep_sampled.json", "temperature.json",
-                                 "plain_vs_hf.json")
-                     if os.path.isfile(os.path.join(RESULTS, n)))
+    # Measured before the native forward pass (f1b769e, 66644b7 and after): not shown until re-run.
+    _OLD_CODE.extend(n for n in ("plain_vs_hf.json",) if os.path.isfile(os.path.join(RESULTS, n)))
     sweeps = [r for r in (_load(f"sweep_{m}.json") for m in ("greedy", "topp", "sampled"))
               if r is not None and "planned" in r and f"sweep_{r['mode']}.json" not in _OLD_CODE]
     if sweeps:
@@ -224,8 +221,8 @@ def render() -> str:
     # Measured before the native KV path commit that beams use (csrc/cpu_sampling.cpp): not shown.
     _OLD_CODE.extend(n for n in ("dsbd.json", "dsbd_static.json") if os.path.isfile(os.path.join(RESULTS, n)))
     for name, title in (("dsbd_fixed_w2.json", "DSBD with a fixed width, W = 2, one cache row per beam "
-                         "(`staged-engine bench dsbd --num-beams 2 --options '{\"dsbd\": {\"dynamic\": false, "
-                         "\"layout\": \"rows\"}}'`)"),
+                         "(`staged-engine bench dsbd --num-beams 2 --limit 6 --systems dsbd beam_rows beam --options "
+                         "'{\"dsbd\": {\"dynamic\": false, \"layout\": \"rows\", \"adaptive\": true}}'`)"),
                         ("dsbd_fixed_w4.json", "DSBD with a fixed width, W = 4, one cache row per beam"),
                         ("dsbd_fixed_w8.json", "DSBD with a fixed width, W = 8, one cache row per beam"),
                         ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
