@@ -241,8 +241,8 @@ class Stints:
     checked again. If the best arm changed the stint restarts, else it doubles, up to
     ``max_stint`` blocks while the challenger's optimistic score is within 10% of the best's
     rate, twice that within 20%, four times beyond: a losing arm costs about one block in every
-    ``max_stint``, and one that trails far (a check also pays the draft's catch-up on what plain
-    steps left) one in every 4 ``max_stint``.
+    ``max_stint``, and one that trails far one in every 4 ``max_stint`` (a check also pays the
+    draft's catch-up on what plain steps left, which the clock does not count against the arm).
     """
 
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,

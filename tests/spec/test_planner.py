@@ -460,3 +460,43 @@ def test_rounds_of_prompt_lookup_equal_plain(engine, kw):
                 got += dec.round(60 - len(got))
         assert got == want
         assert memory.stints.rounds[lookup] == 16 and memory.stints.rounds[2] > 0
+
+
+def test_the_drafts_catch_up_is_not_counted_against_its_arm(engine, monkeypatch):
+    """A drafting arm's block is timed without the draft's catch-up on the prompt or on what
+    plain steps left: that is the price of a switch, paid once, and an arm that wins plays on for
+    stints of many blocks. A catch-up made 80 ms slower leaves the recorded round fast."""
+    import time as _time
+
+    from staged_engine.config import SHAPE_LIMITS
+    from staged_engine.model.runner import ModelRunner
+    from staged_engine.sampling import SamplingConfig, SamplingParams
+    from staged_engine.spec.decoders import SpeculativeDecoder
+    from staged_engine.spec.drafters import ModelDrafter
+    from staged_engine.spec.planner import PlannerMemory
+
+    arms = arms_for(False)
+    fixed_1 = next(i for i, a in enumerate(arms) if a.depth == 1)
+    costs = (engine.cost_profile("oracle"), engine.cost_profile("draft"))
+    sampling = SamplingConfig.make(SamplingParams(), VOCAB)
+    memory = PlannerMemory(arms)
+    memory.stints.arm, memory.stints.plan = fixed_1, [fixed_1] * 4
+    drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["chain"])
+    real = drafter.catch_up
+    caught = []
+
+    def slow_catch_up():
+        real()
+        _time.sleep(0.08)
+        caught.append(True)
+
+    monkeypatch.setattr(drafter, "catch_up", slow_catch_up)
+    dec = SpeculativeDecoder(ModelRunner(engine.oracle, engine.backend), sampling, drafter, "chain",
+                             lambda: RoundPlanner(*costs, memory))
+    with torch.inference_mode():
+        dec.start(_prompts(1, 40)[0])
+        t = _time.perf_counter()
+        dec.round(8)
+        wall = _time.perf_counter() - t
+    assert caught and wall >= 0.08  # the catch-up ran, inside the round
+    assert memory.stints.rounds[fixed_1] == 1 and memory.stints.seconds < 0.04
