@@ -295,26 +295,28 @@ class Engine:
         it asked for T 0.7 instead of 0.8. A new one starts from what an earlier process kept
         on disk for these models on this machine (``spec.planner.load_memory``)."""
         key = (config.strategy, config.spec.shape, config.spec.ngram_widths, config.params.greedy)
-        disk_key = {"schema": 2, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
-                    "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
-                    "greedy": config.params.greedy}
-        return self._memory(key, disk_key, arms_for(config.strategy == "staged"))
+        return self._memory(key, lambda: {
+            "schema": 2, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
+            "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
+            "greedy": config.params.greedy}, arms_for(config.strategy == "staged"))
 
     def _dsbd_memory(self, config: GenerationConfig) -> PlannerMemory:
         """DSBD's planner memory for this width, layout and set of knobs, greedy or sampling;
         on disk keyed by the models and this machine as the profiles are."""
         cfg, layout = config.beam.dsbd, config.beam.layout
         key = ("dsbd", layout, cfg, config.params.greedy)
-        disk_key = {"schema": 1, "oracle": profile_key(self.oracle, self.backend),
-                    "draft": profile_key(self.draft, self.backend), "strategy": "dsbd", "layout": layout,
-                    "dsbd": vars(cfg), "greedy": config.params.greedy}
-        return self._memory(key, disk_key, dsbd_arms(cfg.gamma))
+        return self._memory(key, lambda: {
+            "schema": 1, "oracle": profile_key(self.oracle, self.backend),
+            "draft": profile_key(self.draft, self.backend), "strategy": "dsbd", "layout": layout,
+            "dsbd": vars(cfg), "greedy": config.params.greedy}, dsbd_arms(cfg.gamma))
 
-    def _memory(self, key: tuple, disk_key: dict, arms) -> PlannerMemory:
+    def _memory(self, key: tuple, disk_key, arms) -> PlannerMemory:
+        """The memory kept in process under ``key`` (the 32 most recent), else the one on disk
+        under ``disk_key()`` (built only then: it hashes the models' weights), else a new one."""
         with self._profile_lock:
             memory = self._memories.pop(key, None)
             if memory is None:
-                path = keyed_path("planner", disk_key)
+                path = keyed_path("planner", disk_key())
                 memory = load_memory(path, arms)
                 memory.path = path
             self._memories[key] = memory  # most recent last
