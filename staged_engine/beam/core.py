@@ -680,7 +680,7 @@ class DSBDRun:
         for target in targets:
             start = len(prev.seqs[0])
             score = {s: lq for s, lq in zip(prev.seqs, prev.log_q.tolist())}
-            prefixes = list(dict.fromkeys(s[:t] for s in _unique(target.seqs) for t in range(start, len(s))))
+            prefixes = list(dict.fromkeys(s[:t] for s in distinct(target.seqs) for t in range(start, len(s))))
             q = self.draft.probs(prefixes)  # (n, V)
             self.stats["draft_calls"] += 1
             row = {p: i for i, p in enumerate(prefixes)}
@@ -697,7 +697,8 @@ class DSBDRun:
         return BeamResult(self.beams.seqs, self.beams.log_p, self.beams.seqs[self.beams.best()], self.stats)
 
 
-def _unique(seqs: Sequence[Prefix]) -> list[Prefix]:
+def distinct(seqs: Sequence[Prefix]) -> list[Prefix]:
+    """The distinct sequences, in first-seen order."""
     return list(dict.fromkeys(seqs))
 
 

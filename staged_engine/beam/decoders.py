@@ -35,7 +35,6 @@ holds the rest of the prompt).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -50,13 +49,14 @@ from staged_engine.beam.core import (
     DSBDRun,
     Prefix,
     TorchRandom,
+    distinct,
 )
 from staged_engine.model.backend import Backend
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.kv_cache import KVCache
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, SamplingParams, processed_probs
-from staged_engine.spec.decoders import Decoder
+from staged_engine.spec.decoders import Decoder, RoundClock
 from staged_engine.spec.planner import PlannerMemory
 
 if TYPE_CHECKING:  # the engine validates options into it (staged_engine.config)
@@ -138,6 +138,15 @@ class RowCache:
         """One counted model pass over ``view``: tokens, positions (R, N) -> logits (R, N, V)."""
         return self.runner.run(tokens, positions, tree_mask, last_only, cache=view)
 
+    def roots(self, view: KVCache, tokens: list[int], params: SamplingParams) -> torch.Tensor:
+        """One token on each row of ``view`` right after its committed slots, nothing pending
+        (a beam-sampling step): (n, V) float64 processed distributions, no tree mask."""
+        n, dev = len(tokens), self.runner.device
+        ids = torch.tensor(tokens, dtype=torch.int64, device=dev)[:, None]
+        positions = torch.full((n, 1), self.length, dtype=torch.int64, device=dev)
+        logits = self.forward(view, ids, positions, None)[:, 0]  # (n, V)
+        return processed_probs(logits, params).double().cpu()
+
     def reselect(self, sources: list[int], paths: list[list[int]], pending: int) -> None:
         """Row i <- row sources[i]: its committed slots, then its pending entries ``paths[i]``
         (slot offsets past the committed length, paths[i][0] == 0, all the same length m)
@@ -182,7 +191,7 @@ class RowForestLM:
         self.begin(outputs)
 
     def advance(self, beams: Beams, parents: Sequence[int] | None) -> None:
-        self.keep(_distinct(beams.seqs))
+        self.keep(distinct(beams.seqs))
 
     def begin(self, inputs: list[Prefix]) -> None:
         """A new round whose distinct input beams sit on rows 0..len(inputs)-1."""
@@ -241,11 +250,7 @@ class RowForestLM:
 
     def _evaluate_roots(self, roots: list[Prefix]) -> None:
         """The round's roots, one a row, with nothing pending: no tree mask to build or apply."""
-        dev = self.rows.runner.device
-        tokens = torch.tensor([[key[-1]] for key in roots], dtype=torch.int64, device=dev)
-        positions = torch.full((len(roots), 1), self.rows.length, dtype=torch.int64, device=dev)
-        logits = self.rows.forward(self.view, tokens, positions, None)[:, 0]  # (R, V)
-        dist = processed_probs(logits, self.params).double().cpu()
+        dist = self.rows.roots(self.view, [key[-1] for key in roots], self.params)  # (R, V)
         for r, key in enumerate(roots):
             self.entries[r][key] = 0
             self.dist[r][key] = dist[r]
@@ -374,7 +379,7 @@ class TreeLM:
         self.peak_pending = max(self.peak_pending, self.cache.pending)
 
     def advance(self, beams: Beams, parents: Sequence[int] | None) -> None:
-        self.keep(_distinct(beams.seqs))
+        self.keep(distinct(beams.seqs))
 
 
 class RowBeamLM:
@@ -392,21 +397,13 @@ class RowBeamLM:
         self.rows.start(prompt[:-1])
 
     def probs(self, prefixes: Sequence[Prefix]) -> torch.Tensor:
-        n, dev = len(prefixes), self.rows.runner.device
-        self.view = self.rows.view(n)
-        tokens = torch.tensor([[s[-1]] for s in prefixes], dtype=torch.int64, device=dev)
-        positions = torch.full((n, 1), self.rows.length, dtype=torch.int64, device=dev)
-        logits = self.rows.forward(self.view, tokens, positions, None)[:, 0]  # (n, V)
-        return processed_probs(logits, self.params).double().cpu()
+        self.view = self.rows.view(len(prefixes))
+        return self.rows.roots(self.view, [s[-1] for s in prefixes], self.params)
 
     def advance(self, beams: Beams, parents: Sequence[int] | None) -> None:
         if parents is None:
             raise ValueError("the rows layout of beam sampling needs each beam's parent slot")
         self.rows.reselect(list(parents), [[0]] * len(parents), self.view.pending)
-
-
-def _distinct(seqs: list[Prefix]) -> list[Prefix]:
-    return list(dict.fromkeys(seqs))
 
 
 def _generator(params: SamplingParams) -> TorchRandom:
@@ -528,24 +525,20 @@ class DSBDDecoder(_BeamBase):
         self.draft_lm = _beam_lm(draft, self.params, layout, slack)
         self.cfg = cfg
         self.memory = memory
-        self._round_end: float | None = None
+        self.clock = RoundClock()
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
         self.draft_lm.start(self.prompt)
-        self._round_end = None
+        self.clock.reset()
 
     def _step(self) -> int:
         if self.memory is None:
             return self.run.step()
-        # Timed like SpeculativeDecoder.round: from the end of the previous round, a gap longer
-        # than the round itself (the caller pausing a stream) counted as the round's length.
         stints = self.memory.stints
-        entry = time.perf_counter()
-        t0 = entry if self._round_end is None else self._round_end
-        advanced = self.run.step(min(self.memory.arms[stints.arm].depth, self.cfg.gamma))
-        end = self._round_end = time.perf_counter()
-        stints.record(advanced, (end - entry) + min(entry - t0, end - entry))
+        self.clock.enter()
+        advanced = self.run.step(self.memory.arms[stints.arm].depth)  # dsbd_arms stay <= gamma
+        stints.record(advanced, self.clock.seconds())
         return advanced
 
     def draft_calls(self) -> int:

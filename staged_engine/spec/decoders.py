@@ -19,6 +19,34 @@ from staged_engine.spec.verify import choose_one, verify
 PLAIN_BATCH = 8  # plain steps a round may run back to back
 
 
+class RoundClock:
+    """The wall time a planner charges a round. It runs from the end of the previous round: what
+    the engine and the caller do between rounds is paid per round, so an arm with more rounds a
+    token pays more of it. A gap longer than the round itself is the caller pausing a stream,
+    not the arm's doing, and counts as the round's own length."""
+
+    def __init__(self) -> None:
+        self.end: float | None = None  # when the previous round of this generation ended
+        self.entry = self.t0 = 0.0
+
+    def reset(self) -> None:
+        self.end = None
+
+    def enter(self) -> None:
+        self.entry = time.perf_counter()
+        self.t0 = self.entry if self.end is None else self.end
+
+    def exclude(self) -> None:
+        """Keep the time since ``enter`` off this round's clock (a one-off cost of the round)."""
+        now = time.perf_counter()
+        self.t0, self.entry = self.t0 + (now - self.entry), now
+
+    def seconds(self) -> float:
+        """The round's seconds on the clock; marks its end."""
+        end = self.end = time.perf_counter()
+        return (end - self.entry) + min(self.entry - self.t0, end - self.entry)
+
+
 class Decoder:
     """Base: an oracle runner, the sampling rule, and counters for stats."""
 
@@ -102,12 +130,13 @@ class SpeculativeDecoder(Decoder):
         self.name = name
         self.planner_factory = planner_factory
         self.planner: RoundPlanner | None = None
+        self.clock = RoundClock()
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
         self.planner = self.planner_factory() if self.planner_factory is not None else None
         self.drafter.start(prompt, lazy=self.planner is not None)
-        self._round_end: float | None = None  # when the previous round of this generation ended
+        self.clock.reset()
 
     def draft_calls(self) -> int:
         return self.drafter.calls
@@ -122,12 +151,8 @@ class SpeculativeDecoder(Decoder):
         planner = self.planner
         if planner is None:
             return self._round(remaining, self.drafter.shape.budget, self.drafter.shape.max_depth)[0]
-        oracle = self.oracle
-        # The clock runs from the end of the previous round: what the engine and the caller do
-        # between rounds is paid per round, so an arm with more rounds a token pays more of it.
-        # A gap longer than the round itself is the caller pausing a stream: not the arm's doing.
-        entry = time.perf_counter()
-        t0 = entry if self._round_end is None else self._round_end
+        oracle, clock = self.oracle, self.clock
+        clock.enter()
         if planner.drafting() and len(self.drafter.unseen) > 4:
             # The draft's backlog (the prompt, or what plain steps left) is the price of switching
             # to drafting, paid once per switch. It is kept out of the clock: the clock compares
@@ -135,29 +160,23 @@ class SpeculativeDecoder(Decoder):
             # charged to the one block of a check, a backlog of a long plain stint made a draft
             # that pays look 10-20% slower than plain.)
             self.drafter.catch_up()
-            now = time.perf_counter()
-            t0, entry = t0 + (now - entry), now
+            clock.exclude()
         arm = planner.start_round(oracle.length)
         if arm == PLAIN:  # plain steps, on the shortest path
             out = self.plain_steps(min(remaining, planner.plain_steps(), PLAIN_BATCH))
             self.drafter.skip(out)
-            planner.observe_steps(len(out), self._seconds(t0, entry))
+            planner.observe_steps(len(out), clock.seconds())
             return out
         way = planner.arm(arm)
         self.drafter.use_inner = way.inner
         if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
             emitted = self._round(remaining, way.depth + 1, way.depth, lookup=way.lookup)[0]
-            planner.observe_fixed(min(len(emitted), remaining), self._seconds(t0, entry))
+            planner.observe_fixed(min(len(emitted), remaining), clock.seconds())
             return emitted
         shape = self.drafter.shape
         emitted, draft, path = self._round(remaining, shape.budget, shape.max_depth, planner)
-        planner.observe(draft.tree, draft.logr, path, min(len(emitted), remaining), self._seconds(t0, entry))
+        planner.observe(draft.tree, draft.logr, path, min(len(emitted), remaining), clock.seconds())
         return emitted
-
-    def _seconds(self, t0: float, entry: float) -> float:
-        """The round's seconds on the clock (see ``round``); marks its end."""
-        end = self._round_end = time.perf_counter()
-        return (end - entry) + min(entry - t0, end - entry)
 
     def extra_stats(self) -> dict:
         return {} if self.planner is None else {"planner": self.planner.summary()}
