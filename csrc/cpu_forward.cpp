@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -48,14 +49,36 @@ namespace {
 
 using se_errors::fail;
 
-// Rows per register block and panels per register block. Accumulators: kRows * kPanels vectors.
+// Panels per register block and rows per register block at most. Registers: kMaxRows * kPanels
+// accumulators, kPanels weight vectors and one broadcast row value.
 #if defined(__AVX512F__)
-constexpr int kPanels = 4;  // 64 output features; 4 x 4 = 16 of the 32 zmm registers
+constexpr int kPanels = 4;  // 64 output features; 6 x 4 + 4 + 1 = 29 of the 32 zmm registers
 #else
-constexpr int kPanels = 2;  // 16 output features; 4 x 2 = 8 of the 16 ymm registers
+constexpr int kPanels = 2;  // 16 output features; 6 x 2 + 2 + 1 = 15 of the 16 ymm registers
 #endif
-constexpr int kRows = 4;
+constexpr int kMaxRows = 6;
 constexpr int64_t kPrefetchBytes = 4096;  // software prefetch distance in a weight stream
+
+// Allocates on 64-byte boundaries: a vector load from a weight stream never splits a cache line.
+template <class T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <class U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  template <class U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <class T>
+using aligned_vector = std::vector<T, CacheLineAllocator<T>>;
 
 enum class Epilogue { kStore, kResidual, kGeluTanh, kGelu, kRelu };
 
@@ -64,8 +87,8 @@ struct PackedLinear {
   bool half = false;
   // Panels come in groups of kPanels (the last group may hold fewer, np), each group stored
   // k-major and interleaved, (K, np, kLanes), so a register block streams one sequential run.
-  std::vector<uint16_t> wh;  // float16 bits
-  std::vector<float> wf;     // float32
+  aligned_vector<uint16_t> wh;  // float16 bits
+  aligned_vector<float> wf;     // float32
   std::vector<float> bias;   // (panels * kLanes), zero-padded; empty when there is none
   int64_t ahead = 0;         // bytes of software prefetch ahead of the weight stream; 0: none
 
@@ -121,43 +144,30 @@ inline vec vgelu_tanh(vec x) {
   return vmul(vmul(vset1(0.5f), x), vadd(vset1(1.f), t));
 }
 
+inline vec vloadw(const uint16_t* p) { return vload_h(p); }
+inline vec vloadw(const float* p) { return vload(p); }
+
 // One register block: rows [r0, r0 + NR) x panels [p0, p0 + NP) of y = x W^T + b, then the
-// epilogue. x rows have stride ldx; y rows stride ldy (>= M; the features past M are not stored).
-template <int NR, int NP>
-inline void block(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t r0,
-                  int64_t p0, Epilogue ep) {
+// epilogue. w is the panel group's weights, (K, NP, kLanes) k-major, as float16 bits (widened in
+// registers) or float32; ahead, bytes of software prefetch in that stream (0: none). x rows have
+// stride ldx; y rows stride ldy (>= M; the features past M are not stored).
+template <int NR, int NP, typename W>
+inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float* x, int64_t ldx, float* y,
+                  int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
   vec acc[NR][NP];
   for (int r = 0; r < NR; ++r)
     for (int j = 0; j < NP; ++j) acc[r][j] = vzero();
   const float* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x + (r0 + r) * ldx;
-  const int64_t K = L.K, base = p0 * K * kLanes;  // p0 starts a group of NP panels
-  const int64_t ahead = L.ahead;
-  if (L.half) {
-    const uint16_t* w = L.wh.data() + base;
-    for (int64_t k = 0; k < K; ++k, w += NP * kLanes) {
-      if (ahead)
-        for (int64_t off = 0; off < NP * kLanes * 2; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
-      vec wv[NP];
-      for (int j = 0; j < NP; ++j) wv[j] = vload_h(w + j * kLanes);
-      for (int r = 0; r < NR; ++r) {
-        const vec xv = vset1(xr[r][k]);
-        for (int j = 0; j < NP; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
-      }
-    }
-  } else {
-    const float* w = L.wf.data() + base;
-    for (int64_t k = 0; k < K; ++k, w += NP * kLanes) {
-      if (ahead)
-        for (int64_t off = 0; off < NP * kLanes * 4; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
-      vec wv[NP];
-      for (int j = 0; j < NP; ++j) wv[j] = vload(w + j * kLanes);
-      for (int r = 0; r < NR; ++r) {
-        const vec xv = vset1(xr[r][k]);
-        for (int j = 0; j < NP; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
-      }
+  for (int64_t k = 0; k < L.K; ++k, w += NP * kLanes) {
+    if (ahead)
+      for (int64_t off = 0; off < NP * kLanes * static_cast<int64_t>(sizeof(W)); off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
+    vec wv[NP];
+    for (int j = 0; j < NP; ++j) wv[j] = vloadw(w + j * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const vec xv = vset1(xr[r][k]);
+      for (int j = 0; j < NP; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
     }
   }
   for (int j = 0; j < NP; ++j) {
@@ -188,33 +198,50 @@ inline void block(const PackedLinear& L, const float* x, int64_t ldx, float* y, 
   }
 }
 
-template <int NR>
-inline void block_np(int np, const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy,
-                     int64_t r0, int64_t p0, Epilogue ep) {
+template <int NR, typename W>
+inline void block_np(int np, const W* w, int64_t ahead, const PackedLinear& L, const float* x,
+                     int64_t ldx, float* y, int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
   switch (np) {
 #if defined(__AVX512F__)
-    case 4: block<NR, 4>(L, x, ldx, y, ldy, r0, p0, ep); break;
-    case 3: block<NR, 3>(L, x, ldx, y, ldy, r0, p0, ep); break;
+    case 4: block<NR, 4>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
+    case 3: block<NR, 3>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
 #endif
-    case 2: block<NR, 2>(L, x, ldx, y, ldy, r0, p0, ep); break;
-    default: block<NR, 1>(L, x, ldx, y, ldy, r0, p0, ep); break;
+    case 2: block<NR, 2>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
+    default: block<NR, 1>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
+  }
+}
+
+template <typename W>
+void block_rows(int rows, int np, const W* w, int64_t ahead, const PackedLinear& L, const float* x,
+                int64_t ldx, float* y, int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
+  static_assert(kMaxRows == 6, "block_rows dispatches 1..6 rows");
+  switch (rows) {
+    case 6: block_np<6>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
+    case 5: block_np<5>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
+    case 4: block_np<4>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
+    case 3: block_np<3>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
+    case 2: block_np<2>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
+    default: block_np<1>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
   }
 }
 
 // Panel groups [g0, g1) of y (R, M) = epilogue(x (R, K) W^T + b), every row. A group is
-// kPanels * kLanes output features (the last may hold fewer).
+// kPanels * kLanes output features (the last may hold fewer). Its rows go in register blocks of
+// at most kMaxRows, as even as possible (7 rows: 3 + 4, not 6 + 1); every block streams the
+// group's weights, from L1 after the first. Each output is one FMA chain over k = 0..K-1
+// whatever the block, so a row's bits do not depend on R.
 void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
                    Epilogue ep, int64_t g0, int64_t g1) {
+  const int64_t blocks = (R + kMaxRows - 1) / kMaxRows;
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t p0 = g * kPanels;
     const int np = static_cast<int>(std::min<int64_t>(kPanels, L.panels - p0));
-    for (int64_t r0 = 0; r0 < R; r0 += kRows) {
-      switch (std::min<int64_t>(kRows, R - r0)) {
-        case 4: block_np<4>(np, L, x, ldx, y, ldy, r0, p0, ep); break;
-        case 3: block_np<3>(np, L, x, ldx, y, ldy, r0, p0, ep); break;
-        case 2: block_np<2>(np, L, x, ldx, y, ldy, r0, p0, ep); break;
-        default: block_np<1>(np, L, x, ldx, y, ldy, r0, p0, ep); break;
-      }
+    const int64_t base = p0 * L.K * kLanes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r0 = R * b / blocks;
+      const int rows = static_cast<int>(R * (b + 1) / blocks - r0);
+      if (L.half) block_rows(rows, np, L.wh.data() + base, L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
+      else block_rows(rows, np, L.wf.data() + base, L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
     }
   }
 }

@@ -158,6 +158,46 @@ def test_each_thread_split_gives_the_single_threads_bits(head64, threads):
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("weights", ["fp16-exact", "fp32"])
+@pytest.mark.parametrize("name", ["odd96", "head64"])
+def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, name, weights):
+    """Chains of 1-40 rows cover every row-block split (one block of 1-6 rows, uneven blocks such as
+    3 + 4, many blocks) and, with fp16-exact weights, the path that widens a panel group once for
+    all its blocks: each row's logits and K/V are the bits of one-token decoding, on 2 threads
+    (each with its own widened copy), and within 1e-5 of stock torch."""
+    model = load_model(head64 if name == "head64" else checkpoints[name])
+    if weights == "fp16-exact":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.half().float())
+    assert TorchBackend(native=True).native_model(model).half == (weights == "fp16-exact")
+    g = torch.Generator().manual_seed(4)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (9,), generator=g).tolist()
+    new = torch.randint(0, vocab, (40,), generator=g).tolist()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            one = ModelRunner(model, TorchBackend(native=True))
+            one.prefill(prompt)
+            seq = torch.stack([one.step(t) for t in new])  # (40, V), one row a pass
+            for rows in (2, 5, 6, 7, 8, 13, 40):
+                many = ModelRunner(model, TorchBackend(native=True))
+                many.prefill(prompt)
+                got = many.forward_nodes(new[:rows], list(range(9, 9 + rows)), None)
+                assert torch.equal(got, seq[:rows]), rows
+                many.commit(list(range(rows)))
+                end = 9 + rows
+                assert torch.equal(many.cache.k[:, :, :, :end], one.cache.k[:, :, :, :end]), rows
+                assert torch.equal(many.cache.v[:, :, :, :end], one.cache.v[:, :, :, :end]), rows
+            stock = ModelRunner(model, TorchBackend(native=False))
+            stock.prefill(prompt)
+            assert _close(seq, stock.forward_nodes(new, list(range(9, 49)), None))
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_weights_changed_in_place_are_picked_up_at_the_next_generation(checkpoints):
     model = load_model(checkpoints["odd96"])
     backend = TorchBackend(native=True)
