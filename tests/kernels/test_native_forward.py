@@ -161,10 +161,10 @@ def test_each_thread_split_gives_the_single_threads_bits(head64, threads):
 @pytest.mark.parametrize("weights", ["fp16-exact", "fp32"])
 @pytest.mark.parametrize("name", ["odd96", "head64"])
 def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, name, weights):
-    """Chains of 1-40 rows cover every row-block split (one block of 1-6 rows, uneven blocks such as
-    3 + 4, many blocks) and, with fp16-exact weights, the path that widens a panel group once for
-    all its blocks: each row's logits and K/V are the bits of one-token decoding, on 2 threads
-    (each with its own widened copy), and within 1e-5 of stock torch."""
+    """Chains of 2-40 rows cover every row-block split (one block of up to 6 rows, uneven blocks
+    such as 3 + 4, many blocks) over fp16 weights widened in registers and over fp32 weights:
+    each row's logits and K/V are the bits of one-token decoding on 2 threads, and within 1e-5
+    of stock torch."""
     model = load_model(head64 if name == "head64" else checkpoints[name])
     if weights == "fp16-exact":
         with torch.no_grad():
