@@ -46,7 +46,7 @@ if _sources("ngram*.cpp"):
         name="staged_engine._ngram", sources=_sources("ngram*.cpp"),
         extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"]))
 if _sources("cpu_*.cpp") and os.environ.get("STAGED_ENGINE_NO_CPU_EXT", "0") == "0" and _cpu_has_avx2():
-    ext_modules.append(CppExtension(  # csrc/cpu_kernels.cpp, cpu_forward.cpp (cpu_simd.h)
+    ext_modules.append(CppExtension(  # csrc/cpu_kernels.cpp, cpu_forward.cpp, cpu_sampling.cpp (cpu_*.h)
         name="staged_engine._cpu", sources=_sources("cpu_*.cpp"),
         extra_compile_args=["-O3", "-std=c++17", "-march=native", "-fopenmp", "-fvisibility=hidden"],
         extra_link_args=["-fopenmp"]))

@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "cpu_errors.h"
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 namespace py = pybind11;
@@ -680,6 +682,73 @@ class NativeGPT2 {
   PackedLinear head_;
 };
 
+// One round of a fixed draft chain, drafted and verified without returning to Python (the
+// Python round costs as much as a small draft's passes: ~150 us of interpreter work, most of it
+// cache misses after the oracle's pass has streamed its weights through L2).
+//
+// The draft runs its passes over cache row 0: the first over the tokens it has not seen
+// (``unseen``, ending in the root, at positions d_pos0..), each later one over the chain's tip,
+// and chooses each next token as drafters.py's chain builder does (the draft's argmax at
+// temperature 0, else its best perturbed child under the draft rule), stopping at ``depth``
+// tokens or at a child of probability 0. The oracle then runs one pass over the root and the
+// chain at positions root_position.. and walks it with the sampling rule (verify_tree). Nothing
+// is committed: the entries stay pending in both caches (slots start.., as forward_ids writes
+// them), and the caller keeps the accepted prefixes. Returns (chain tokens after the root, their
+// log r, accepted path, emitted tokens, draft passes, draft seconds, oracle seconds); with no
+// token drafted, the path and emitted lists are empty and the oracle did not run.
+std::tuple<std::vector<int64_t>, std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, int64_t, double,
+           double>
+chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_start, const std::vector<int64_t>& unseen,
+            int64_t d_pos0, NativeGPT2& oracle, torch::Tensor ok, torch::Tensor ov, int64_t o_start,
+            int64_t root_position, int64_t depth, double temperature, int64_t top_k, double top_p, uint64_t seed,
+            double d_temperature, int64_t d_top_k, uint64_t d_seed) {
+  SE_CHECK(!unseen.empty(), "unseen must hold at least the root");
+  SE_CHECK(depth >= 1 && depth <= 63, "depth must be in [1, 63], got ", depth);
+  SE_CHECK(d_start >= 0 && o_start >= 0 && d_pos0 >= 0 && root_position >= 0,
+           "starts and positions must be >= 0");
+  using clock = std::chrono::steady_clock;
+  const auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  std::vector<int64_t> chain{unseen.back()}, tokens(unseen), positions(unseen.size());
+  std::vector<double> logr;
+  for (size_t i = 0; i < unseen.size(); ++i) positions[i] = d_pos0 + static_cast<int64_t>(i);
+  int64_t written = 0, passes = 0;
+  double draft_seconds = 0.0;
+  while (static_cast<int64_t>(chain.size()) - 1 < depth) {
+    const auto t0 = clock::now();
+    written += static_cast<int64_t>(tokens.size());
+    const torch::Tensor logits = draft.forward_ids(tokens, positions, dk, dv, d_start, written, c10::nullopt, true);
+    ++passes;
+    const std::vector<torch::Tensor> best =
+        d_temperature == 0 ? top_children(logits, 1)
+                           : perturbed_children(logits, d_seed, {positions.back() + 1}, d_temperature, d_top_k, 1);
+    draft_seconds += secs(t0, clock::now());
+    if (best[0].size(1) == 0) break;
+    const int64_t token = best[0].data_ptr<int64_t>()[0];
+    const float lr = best[1].data_ptr<float>()[0];
+    if (lr == -std::numeric_limits<float>::infinity()) break;
+    chain.push_back(token);
+    logr.push_back(lr);
+    tokens.assign(1, token);
+    positions.assign(1, root_position + static_cast<int64_t>(chain.size()) - 1);
+  }
+  std::vector<int64_t> path, emitted;
+  double oracle_seconds = 0.0;
+  if (chain.size() > 1) {
+    const auto t0 = clock::now();
+    const int64_t n = static_cast<int64_t>(chain.size());
+    std::vector<int64_t> pos(n), parents(n);
+    for (int64_t i = 0; i < n; ++i) {
+      pos[i] = root_position + i;
+      parents[i] = i - 1;
+    }
+    const torch::Tensor logits = oracle.forward_ids(chain, pos, ok, ov, o_start, n, c10::nullopt, false);
+    std::tie(path, emitted) = verify_tree(logits, chain, parents, seed, pos, temperature, top_k, top_p);
+    oracle_seconds = secs(t0, clock::now());
+  }
+  chain.erase(chain.begin());
+  return {chain, logr, path, emitted, passes, draft_seconds, oracle_seconds};
+}
+
 void register_native_forward(py::module& m) {
   py::class_<NativeGPT2>(m, "NativeGPT2",
                          "A GPT-2 model packed for the native decode path: one call per forward pass")
@@ -699,4 +768,12 @@ void register_native_forward(py::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
       .def_property_readonly("half", &NativeGPT2::half);
+  m.def("chain_round", &chain_round,
+        "one round of a fixed draft chain: the draft's passes, the oracle's pass and the acceptance walk, "
+        "entries left pending; (chain, log r, path, emitted, draft passes, draft seconds, oracle seconds)",
+        py::arg("draft"), py::arg("draft_k"), py::arg("draft_v"), py::arg("draft_start"), py::arg("unseen"),
+        py::arg("draft_position"), py::arg("oracle"), py::arg("oracle_k"), py::arg("oracle_v"), py::arg("oracle_start"),
+        py::arg("root_position"), py::arg("depth"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("seed"), py::arg("draft_temperature"), py::arg("draft_top_k"), py::arg("draft_seed"),
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -59,9 +59,25 @@ class ModelRunner:
         return logits
 
     def _count(self, t0: float, nodes: int) -> None:
-        self.forward_seconds += time.perf_counter() - t0
-        self.calls += 1
+        self.count(1, time.perf_counter() - t0, nodes)
+
+    def count(self, calls: int, seconds: float, nodes: int) -> None:
+        """Add forward passes run elsewhere (a native round) to this runner's counters."""
+        self.forward_seconds += seconds
+        self.calls += calls
         self.nodes += nodes
+
+    @property
+    def native(self):
+        """The model packed for one native call per pass (``_cpu.NativeGPT2``), or None when this
+        runner takes the tensor path."""
+        return self._native
+
+    def reserve(self, n: int) -> int:
+        """Reserve ``n`` pending slots of row 0 for passes run elsewhere (a native round writes
+        them as ``forward_ids`` would); returns the row's committed length, their start."""
+        self.cache.append(n)
+        return self.length
 
     def prefill(self, tokens: list[int], chunk: int = 512) -> None:
         """Process and commit ``tokens`` after what is already cached (no logits kept). On the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from staged_engine.model.backend import _cpu
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig
 from staged_engine.spec.drafters import ModelDrafter
@@ -150,7 +151,9 @@ class SpeculativeDecoder(Decoder):
     def round(self, remaining: int) -> list[int]:
         planner = self.planner
         if planner is None:
-            return self._round(remaining, self.drafter.shape.budget, self.drafter.shape.max_depth)[0]
+            shape = self.drafter.shape
+            emitted = self._native_chain(remaining, min(shape.max_depth, shape.budget - 1))
+            return emitted if emitted is not None else self._round(remaining, shape.budget, shape.max_depth)[0]
         oracle, clock = self.oracle, self.clock
         clock.enter()
         if planner.drafting() and len(self.drafter.unseen) > 4:
@@ -170,7 +173,9 @@ class SpeculativeDecoder(Decoder):
         way = planner.arm(arm)
         self.drafter.use_inner = way.inner
         if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
-            emitted = self._round(remaining, way.depth + 1, way.depth, lookup=way.lookup)[0]
+            emitted = None if way.lookup else self._native_chain(remaining, way.depth)
+            if emitted is None:
+                emitted = self._round(remaining, way.depth + 1, way.depth, lookup=way.lookup)[0]
             planner.observe_fixed(min(len(emitted), remaining), clock.seconds())
             return emitted
         shape = self.drafter.shape
@@ -180,6 +185,40 @@ class SpeculativeDecoder(Decoder):
 
     def extra_stats(self) -> dict:
         return {} if self.planner is None else {"planner": self.planner.summary()}
+
+    def _native_chain(self, remaining: int, depth: int) -> list[int] | None:
+        """A round of a fixed draft chain of ``depth`` tokens in one native call
+        (``_cpu.chain_round``: the draft's passes, the oracle's and the acceptance walk), the same
+        tokens, passes and cache entries as ``_round`` computes in Python; None where it does not
+        apply (a model off the native path, an inner stage proposing, no room to draft)."""
+        drafter, oracle = self.drafter, self.oracle
+        if oracle.native is None or not drafter.native_chain():
+            return None
+        root_position = oracle.length
+        n_ctx = min(oracle.max_len, oracle.model.config.n_positions)
+        depth = drafter.chain_depth(min(depth, remaining - 1, n_ctx - 2 - root_position), depth + 1)
+        if depth <= 0:
+            return None
+        draft, unseen, sampling = drafter.runner, drafter.unseen, self.sampling
+        t, top_k, top_p, seed = sampling.rule
+        dt, dk, _, dseed = (0.0, 0, 1.0, 0) if sampling.greedy else sampling.draft_rule
+        d_start = draft.reserve(len(unseen) + depth - 1)
+        o_start = oracle.reserve(depth + 1)
+        chain, _, path, emitted, passes, d_seconds, o_seconds = _cpu.chain_round(
+            draft.native, draft.cache.k, draft.cache.v, d_start, unseen, d_start, oracle.native, oracle.cache.k,
+            oracle.cache.v, o_start, root_position, depth, t, top_k, top_p, seed or 0, dt, dk, dseed or 0)
+        draft.count(passes, d_seconds, len(unseen) + passes - 1)
+        if not path:  # the draft had no token to offer: a plain step
+            oracle.discard()
+            emitted = self.plain_steps(1)
+            drafter.accept_chain(passes, 1, emitted)
+            return emitted
+        oracle.count(1, o_seconds, len(chain) + 1)
+        oracle.commit(path)
+        drafter.accept_chain(passes, len(path), emitted)
+        self.root = emitted[-1]
+        self.accepted_lengths.append(len(emitted))
+        return emitted
 
     def _round(self, remaining: int, budget: int, max_depth: int, planner: RoundPlanner | None = None,
                lookup: bool = False):

@@ -503,6 +503,28 @@ class ModelDrafter:
             self.inner.observe(emitted, self.history)
         self.history.extend(emitted)
 
+    def native_chain(self) -> bool:
+        """Whether a round of this drafter is a plain draft chain (one child per node, no inner
+        stage proposing), which ``_cpu.chain_round`` can run in one call."""
+        return self.shape.children == 1 and (self.inner is None or not self.use_inner) \
+            and self.runner.native is not None
+
+    def chain_depth(self, max_depth: int, budget: int) -> int:
+        """The depth ``_build_chain`` would draft to: within the draft's cache and window too."""
+        room = min(self.runner.max_len, self.runner.model.config.n_positions) - self.runner.length
+        return min(max_depth, room - len(self.unseen), budget - 1)
+
+    def accept_chain(self, passes: int, accepted: int, emitted: list[int]) -> None:
+        """``accept`` after a native chain round of ``passes`` draft passes (the first over the
+        unseen tokens, each later one over a chain token), of which ``accepted`` nodes (the root
+        included) were accepted: the evaluated ones among them are the prefix kept."""
+        evaluated = min(accepted, passes)
+        self.runner.commit(list(range(len(self.unseen) - 1 + evaluated)))
+        self.unseen = emitted[evaluated - 1:]
+        if self.inner is not None:
+            self.inner.observe(emitted, self.history)
+        self.history.extend(emitted)
+
     def build_lookup(self, max_depth: int) -> DraftRound:
         """The oracle's tree for a round drafted by prompt lookup alone (``ContextLookup``): the
         chain of at most ``max_depth`` tokens that followed the context's suffix before, with no

@@ -1,0 +1,22 @@
+// The sampling and child-scoring entry points of staged_engine._cpu that other translation units
+// call directly (cpu_forward.cpp's chain round): defined in cpu_kernels.cpp and cpu_sampling.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+// k largest scores per row of (N, V) and their log-softmax values: (idx (N, k), logr (N, k)).
+std::vector<torch::Tensor> top_children(const torch::Tensor& scores, int64_t k);
+
+// The draft's k best children by perturbed score under a sampling rule (temperature > 0), and log r.
+std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint64_t seed,
+                                              const std::vector<int64_t>& positions, double temperature,
+                                              int64_t top_k, int64_t k);
+
+// ALGORITHMS.md sec. 4 over a tree's logits: (accepted path, emitted tokens).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> verify_tree(
+    const torch::Tensor& logits, const std::vector<int64_t>& tokens, const std::vector<int64_t>& parents,
+    uint64_t seed, const std::vector<int64_t>& positions, double temperature, int64_t top_k, double top_p);
