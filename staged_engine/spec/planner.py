@@ -243,13 +243,16 @@ class Stints:
     rate, twice that within 20%, four times beyond: a losing arm costs about one block in every
     ``max_stint``, and one that trails far one in every 4 ``max_stint`` (a check also pays the
     draft's catch-up on what plain steps left, which the clock does not count against the arm).
+    When the best changes between two drafting arms scored within ``tie`` of each other (two
+    chain depths of about equal speed trading places on the clock's noise) the stint grows on.
     """
 
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
-                 max_stint: int = 32, bonus: float = 0.1) -> None:
+                 max_stint: int = 32, bonus: float = 0.1, tie: float = 0.05) -> None:
         if arms < 2:
             raise ValueError(f"arms must be at least 2 (plain and one drafting arm), got {arms}")
         self.n_arms, self.block, self.first_stint, self.max_stint, self.bonus = arms, block, first_stint, max_stint, bonus
+        self.tie = tie
         self.score = [0.0] * arms  # running log(rate / plain rate), from adjacent pairs
         self.pairs = [0] * arms  # adjacent pairs each arm took part in
         self.last = [0.0] * arms  # the latest block rate of each arm
@@ -316,7 +319,11 @@ class Stints:
         if self.favoured is not None:
             gap = self.score[best] - (self.score[challenger] + bonus(challenger))
             cap = self.max_stint * 2 ** min(2, max(0, int(gap / 0.1)))
-            self.stint = self.first_stint if best != self.favoured else min(2 * self.stint, cap)
+            # A flip between two drafting arms within ``tie`` of each other is the noise of the
+            # clock, not news: the stint grows on (restarting it would check plain and the
+            # challengers every other block while two near-equal chains trade places).
+            tie = best != PLAIN and self.favoured != PLAIN and self.score[self.favoured] > self.score[best] - self.tie
+            self.stint = min(2 * self.stint, cap) if best == self.favoured or tie else self.first_stint
         self.favoured = best
         self.checks += 1
         if best == PLAIN:
