@@ -325,8 +325,7 @@ class ModelDrafter:
         unseen = self.unseen
         root = unseen[-1]
         base = runner.length
-        room = min(runner.max_len, runner.model.config.n_positions) - base
-        max_depth = min(max_depth, room - len(unseen), budget - 1)
+        max_depth = self.chain_depth(max_depth, budget)
         if max_depth <= 0:
             return DraftRound(Tree(root), [0], [-1])
         ngram = self.inner if self.use_inner else None
