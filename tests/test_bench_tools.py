@@ -78,3 +78,20 @@ def test_llama_cpp_steps_that_cannot_run_say_which_and_why(tmp_path, monkeypatch
     with pytest.raises(llamacpp.LlamaCppUnavailable, match=r"running the test step failed \(exit 3\)"):
         llamacpp.run_step([sys.executable, "-c", "import sys; sys.exit(3)"], "running the test step",
                       str(tmp_path / "log.txt"))
+
+
+def test_the_bench_command_finds_every_script_of_the_checkout():
+    """`staged-engine bench NAME` runs bench/NAME.py of this checkout: every listed script exists
+    there, and `--help` of one runs it (exit 0, its own usage)."""
+    import subprocess
+
+    from staged_engine.cli import bench
+
+    assert os.path.realpath(bench.bench_dir()) == os.path.realpath(BENCH)
+    for name, script in bench.BENCHES.items():
+        assert os.path.isfile(os.path.join(BENCH, script)), name
+    out = subprocess.run([sys.executable, "-c", "import sys; from staged_engine.cli.main import main; "
+                          "sys.exit(main(['bench', 'ngram', '--help']))"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "usage" in out.stdout.lower()

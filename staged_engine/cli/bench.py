@@ -24,8 +24,10 @@ BENCHES = {
 
 
 def bench_dir() -> str:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return os.path.join(here, "bench")
+    """bench/ of the source checkout this package runs from (staged_engine/cli/bench.py is two
+    levels below the checkout's root)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.join(root, "bench")
 
 
 def _run(args: argparse.Namespace) -> int:
