@@ -529,15 +529,27 @@ class DSBDDecoder(_BeamBase):
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
-        self.draft_lm.start(self.prompt)
+        # With the planner and a fixed width, rounds of gamma 0 (beam sampling itself) leave the
+        # draft where it was, and the first drafted round catches it up. So its prefill waits
+        # for that round too: a generation the planner keeps on gamma 0 never runs the draft.
+        self.draft_started = False
+        if self.memory is None or self.cfg.dynamic:
+            self._start_draft()
         self.clock.reset()
+
+    def _start_draft(self) -> None:
+        self.draft_lm.start(self.prompt)
+        self.draft_started = True
 
     def _step(self) -> int:
         if self.memory is None:
             return self.run.step()
         stints = self.memory.stints
+        depth = self.memory.arms[stints.arm].depth  # dsbd_arms stay <= gamma
+        if depth and not self.draft_started:
+            self._start_draft()  # once a generation: not charged to the arm's round
         self.clock.enter()
-        advanced = self.run.step(self.memory.arms[stints.arm].depth)  # dsbd_arms stay <= gamma
+        advanced = self.run.step(depth)
         stints.record(advanced, self.clock.seconds())
         return advanced
 

@@ -246,6 +246,40 @@ def test_adaptive_dsbd_rounds_match_core_on_hf(engine, hf, monkeypatch, layout, 
     assert s["beam_widths"] == run.stats["widths"] and s["beams_accepted"] == run.stats["accepted"]
 
 
+@pytest.mark.parametrize("arms,draft_passes", [([0], 0), ([0, 0, 0, 2], None)])
+def test_the_draft_starts_at_the_first_drafted_round(engine, hf, monkeypatch, arms, draft_passes):
+    """With a fixed width the draft's prefill waits for the planner's first drafted round: a
+    generation kept on gamma 0 (beam sampling itself) runs no draft pass at all, and one that
+    drafts later prefills then and catches up, with the core's draws on HF models either way."""
+    memories = []
+    real = Engine._dsbd_memory
+
+    def scheduled(self, config):
+        memory = real(self, config)
+        memory.stints = _Schedule(arms)
+        memories.append(memory)
+        return memory
+
+    monkeypatch.setattr(Engine, "_dsbd_memory", scheduled)
+    monkeypatch.setattr(Engine, "_keep_memory", lambda self, memory: None)
+    prompt, steps, seed, width = _prompt(9, 43), 12, 5, 2
+    opts = dict(gamma=2, draft_width=3, threshold=0.7, w_min=1, dynamic=False)
+    res = engine.generate(prompt, max_new_tokens=steps, strategy="dsbd", num_beams=width, adaptive=True,
+                          temperature=1.0, seed=seed, layout="rows", **opts)
+    if draft_passes is not None:
+        assert res.stats["draft_calls"] == draft_passes
+    else:
+        assert res.stats["draft_calls"] > 0
+    oracle = HFBeamLM(hf[0], prompt[:-1], 1.0, 0, 1.0)
+    draft = HFBeamLM(hf[1], prompt[:-1], 1.0, 0, 1.0)
+    run = core.DSBDRun(oracle, draft, prompt[-1:], steps, torch.Generator().manual_seed(seed),
+                       DSBDConfig(width=width, **opts))
+    for r in range(res.stats["rounds"]):
+        run.step(arms[r % len(arms)])
+    assert run.finished
+    assert res.stats["beam_token_ids"] == [list(b[1:]) for b in run.beams.seqs]
+
+
 def test_seeded_or_pinned_dsbd_is_not_adaptive(engine):
     """A seed of the caller's, a pinned gamma or memory mode fix the rounds (and so the draws);
     otherwise the clock picks each round's gamma."""
