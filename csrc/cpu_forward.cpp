@@ -696,20 +696,33 @@ class NativeGPT2 {
 // them), and the caller keeps the accepted prefixes. Returns (chain tokens after the root, their
 // log r, accepted path, emitted tokens, draft passes, draft seconds, oracle seconds); with no
 // token drafted, the path and emitted lists are empty and the oracle did not run.
+//
+// A planned chain (``calibration`` not empty) stops where the planner's cost rule says, as
+// drafters.py's chain builder does with a planner: the value A(i) of chain token i is the
+// product of calibration[bin(r)] along the chain (r the draft's probability of each token, ten
+// bins of width 0.1); another pass runs after token i only while A(i) > go[i - 1], and the
+// chain then keeps its tokens while A(i) > keep[i - 1] (the planner's prices of a pass and of
+// a node, divided out beforehand).
 std::tuple<std::vector<int64_t>, std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, int64_t, double,
            double>
 chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_start, const std::vector<int64_t>& unseen,
             int64_t d_pos0, NativeGPT2& oracle, torch::Tensor ok, torch::Tensor ov, int64_t o_start,
             int64_t root_position, int64_t depth, double temperature, int64_t top_k, double top_p, uint64_t seed,
-            double d_temperature, int64_t d_top_k, uint64_t d_seed) {
+            double d_temperature, int64_t d_top_k, uint64_t d_seed, const std::vector<double>& calibration,
+            const std::vector<double>& go, const std::vector<double>& keep) {
   SE_CHECK(!unseen.empty(), "unseen must hold at least the root");
   SE_CHECK(depth >= 1 && depth <= 63, "depth must be in [1, 63], got ", depth);
+  const bool planned = !calibration.empty();
+  SE_CHECK(!planned || (calibration.size() == 10 && static_cast<int64_t>(go.size()) >= depth &&
+                        static_cast<int64_t>(keep.size()) >= depth),
+           "a planned chain needs 10 calibration bins and go and keep thresholds for each of the ", depth,
+           " depths, got ", calibration.size(), ", ", go.size(), " and ", keep.size());
   SE_CHECK(d_start >= 0 && o_start >= 0 && d_pos0 >= 0 && root_position >= 0,
            "starts and positions must be >= 0");
   using clock = std::chrono::steady_clock;
   const auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   std::vector<int64_t> chain{unseen.back()}, tokens(unseen), positions(unseen.size());
-  std::vector<double> logr;
+  std::vector<double> logr, value;
   for (size_t i = 0; i < unseen.size(); ++i) positions[i] = d_pos0 + static_cast<int64_t>(i);
   int64_t written = 0, passes = 0;
   double draft_seconds = 0.0;
@@ -728,9 +741,19 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
     if (lr == -std::numeric_limits<float>::infinity()) break;
     chain.push_back(token);
     logr.push_back(lr);
+    if (planned) {
+      const int bin = std::min(9, std::max(0, static_cast<int>(std::exp(static_cast<double>(lr)) * 10)));
+      value.push_back((value.empty() ? 1.0 : value.back()) * calibration[bin]);
+      if (!(value.back() > go[value.size() - 1])) break;
+    }
     tokens.assign(1, token);
     positions.assign(1, root_position + static_cast<int64_t>(chain.size()) - 1);
   }
+  if (planned)
+    while (chain.size() > 1 && !(value[chain.size() - 2] > keep[chain.size() - 2])) {
+      chain.pop_back();
+      logr.pop_back();
+    }
   std::vector<int64_t> path, emitted;
   double oracle_seconds = 0.0;
   if (chain.size() > 1) {
@@ -769,11 +792,12 @@ void register_native_forward(py::module& m) {
       .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
       .def_property_readonly("half", &NativeGPT2::half);
   m.def("chain_round", &chain_round,
-        "one round of a fixed draft chain: the draft's passes, the oracle's pass and the acceptance walk, "
+        "one round of a draft chain, fixed or planned: the draft's passes, the oracle's pass and the acceptance walk, "
         "entries left pending; (chain, log r, path, emitted, draft passes, draft seconds, oracle seconds)",
         py::arg("draft"), py::arg("draft_k"), py::arg("draft_v"), py::arg("draft_start"), py::arg("unseen"),
         py::arg("draft_position"), py::arg("oracle"), py::arg("oracle_k"), py::arg("oracle_v"), py::arg("oracle_start"),
         py::arg("root_position"), py::arg("depth"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seed"), py::arg("draft_temperature"), py::arg("draft_top_k"), py::arg("draft_seed"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("calibration") = std::vector<double>(), py::arg("go") = std::vector<double>(),
+        py::arg("keep") = std::vector<double>(), py::call_guard<py::gil_scoped_release>());
 }

@@ -179,6 +179,9 @@ class SpeculativeDecoder(Decoder):
             planner.observe_fixed(min(len(emitted), remaining), clock.seconds())
             return emitted
         shape = self.drafter.shape
+        emitted = self._native_chain(remaining, shape.max_depth, planner, shape.budget)
+        if emitted is not None:
+            return emitted
         emitted, draft, path = self._round(remaining, shape.budget, shape.max_depth, planner)
         planner.observe(draft.tree, draft.logr, path, min(len(emitted), remaining), clock.seconds())
         return emitted
@@ -186,38 +189,48 @@ class SpeculativeDecoder(Decoder):
     def extra_stats(self) -> dict:
         return {} if self.planner is None else {"planner": self.planner.summary()}
 
-    def _native_chain(self, remaining: int, depth: int) -> list[int] | None:
-        """A round of a fixed draft chain of ``depth`` tokens in one native call
-        (``_cpu.chain_round``: the draft's passes, the oracle's and the acceptance walk), the same
-        tokens, passes and cache entries as ``_round`` computes in Python; None where it does not
+    def _native_chain(self, remaining: int, depth: int, planner: RoundPlanner | None = None,
+                      budget: int | None = None) -> list[int] | None:
+        """A round of a draft chain in one native call (``_cpu.chain_round``: the draft's passes,
+        the oracle's and the acceptance walk): a fixed chain of ``depth`` tokens, the same tokens,
+        passes and cache entries as ``_round`` computes in Python; or with a ``planner`` a planned
+        chain of at most ``depth`` tokens (and ``budget`` nodes) that stops where the planner's
+        rule says (``RoundPlanner.chain_rule``), observed by the planner. None where it does not
         apply (a model off the native path, an inner stage proposing, no room to draft)."""
         drafter, oracle = self.drafter, self.oracle
         if oracle.native is None or not drafter.native_chain():
             return None
         root_position = oracle.length
         n_ctx = min(oracle.max_len, oracle.model.config.n_positions)
-        depth = drafter.chain_depth(min(depth, remaining - 1, n_ctx - 2 - root_position), depth + 1)
+        depth = drafter.chain_depth(min(depth, remaining - 1, n_ctx - 2 - root_position),
+                                    depth + 1 if budget is None else budget)
         if depth <= 0:
             return None
         draft, unseen, sampling = drafter.runner, drafter.unseen, self.sampling
+        n_unseen = len(unseen)
         t, top_k, top_p, seed = sampling.rule
         dt, dk, _, dseed = (0.0, 0, 1.0, 0) if sampling.greedy else sampling.draft_rule
-        d_start = draft.reserve(len(unseen) + depth - 1)
+        calibration, go, keep = planner.chain_rule(depth) if planner is not None else ((), (), ())
+        d_start = draft.reserve(n_unseen + depth - 1)
         o_start = oracle.reserve(depth + 1)
-        chain, _, path, emitted, passes, d_seconds, o_seconds = _cpu.chain_round(
+        chain, logr, path, emitted, passes, d_seconds, o_seconds = _cpu.chain_round(
             draft.native, draft.cache.k, draft.cache.v, d_start, unseen, d_start, oracle.native, oracle.cache.k,
-            oracle.cache.v, o_start, root_position, depth, t, top_k, top_p, seed or 0, dt, dk, dseed or 0)
-        draft.count(passes, d_seconds, len(unseen) + passes - 1)
-        if not path:  # the draft had no token to offer: a plain step
+            oracle.cache.v, o_start, root_position, depth, t, top_k, top_p, seed or 0, dt, dk, dseed or 0,
+            calibration, go, keep)
+        draft.count(passes, d_seconds, n_unseen + passes - 1)
+        if not path:  # the draft had no token worth offering: a plain step
             oracle.discard()
             emitted = self.plain_steps(1)
             drafter.accept_chain(passes, 1, emitted)
-            return emitted
-        oracle.count(1, o_seconds, len(chain) + 1)
-        oracle.commit(path)
-        drafter.accept_chain(passes, len(path), emitted)
-        self.root = emitted[-1]
-        self.accepted_lengths.append(len(emitted))
+        else:
+            oracle.count(1, o_seconds, len(chain) + 1)
+            oracle.commit(path)
+            drafter.accept_chain(passes, len(path), emitted)
+            self.root = emitted[-1]
+            self.accepted_lengths.append(len(emitted))
+        if planner is not None:
+            planner.observe_chain(logr, max(len(path), 1), n_unseen, passes, min(len(emitted), remaining),
+                                  self.clock.seconds())
         return emitted
 
     def _round(self, remaining: int, budget: int, max_depth: int, planner: RoundPlanner | None = None,

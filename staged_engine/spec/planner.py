@@ -149,7 +149,8 @@ class RoundCost:
 # The ways of running rounds that ``Stints`` compares on the clock: plain steps, the rounds
 # ``RoundPlanner`` plans, and fixed chains of 1-3 drafted tokens, with and (staged) without the
 # inner stage's proposals; for staged also chains of up to 3 tokens from prompt lookup alone (no
-# draft pass: ``ContextLookup``). A cost model can under- or over-draft, and an n-gram stage can
+# draft pass: ``ContextLookup``). A planned round of a chain without an inner stage (the chain
+# strategy's) runs in one native call (``chain_rule``). A cost model can under- or over-draft, and an n-gram stage can
 # cost more than it saves on some machine: a fixed way the clock finds faster here is played
 # instead, and plain steps when nothing drafted pays.
 PLAIN, PLANNED = 0, 1
@@ -396,6 +397,7 @@ class RoundPlanner:
             self.context = context
             self._oracle_at: dict[int, float] = {}
             self._draft_at: dict[int, float] = {}
+            self._chain_costs: tuple[list[float], list[float]] = ([], [])
 
     def _profile_oracle(self, n: int) -> float:
         t = self._oracle_at.get(n)
@@ -488,6 +490,23 @@ class RoundPlanner:
                 best_k, best_net = k, net
         return [0] + sorted(order[:best_k])
 
+    def chain_rule(self, depth: int) -> tuple[list[float], list[float], list[float]]:
+        """The rule of a planned chain of at most ``depth`` tokens, for ``_cpu.chain_round``:
+        the acceptance calibration (per bin of the draft's probability), and per depth i the
+        value A(i) a chain of i tokens needs for another pass to pay (``another_pass`` with one
+        row) and for its i-th token to pay its node in the oracle's pass (``select``'s margin)."""
+        costs, node = self._chain_costs
+        if len(costs) < depth:  # seconds a pass and a node add at each depth, per context step
+            pass_cost = self.pass_cost(1)
+            node = [self.node_cost(i, 1) for i in range(1, depth + 2)]
+            costs = [pass_cost + node[i] for i in range(1, depth + 1)]
+            self._chain_costs = (costs, node)
+        lam = self.price()
+        go = lam / max(self.acceptance.top_rate(), 1e-6)
+        acc = self.acceptance
+        return ([a / o for a, o in zip(acc.accepted, acc.offered)], [go * c for c in costs[:depth]],
+                [lam * c for c in node[:depth]])
+
     # ------------------------------------------------------------- after the round
     def note_pass(self, rows: int) -> None:
         """A draft pass over ``rows`` rows is about to run."""
@@ -509,6 +528,21 @@ class RoundPlanner:
         self.fixed_rounds += 1
         self.m.rate.add(emitted, seconds)
         self.m.stints.record(emitted, seconds)
+
+    def observe_chain(self, logr: list[float], accepted: int, unseen: int, passes: int, emitted: int,
+                      seconds: float) -> None:
+        """A planned chain's native round (``chain_rule``): the draft's log r of each chain token,
+        ``accepted`` nodes accepted (the root included), the first of ``passes`` draft passes
+        over ``unseen`` rows, the tokens emitted and its wall seconds. As ``observe``."""
+        m = self.m
+        self.drafted_rounds += 1
+        x = self._features([unseen] + [1] * (passes - 1), len(logr) + 1)
+        seconds = _clip(seconds, m.cost.predict(x))
+        m.cost.add(x, seconds)
+        m.rate.add(emitted, seconds)
+        m.stints.record(emitted, seconds)
+        for i in range(min(accepted, len(logr))):  # token i + 1 was offered: node i was accepted
+            self.acceptance.observe(math.exp(logr[i]), i + 1 < accepted, top=True)
 
     def observe(self, tree: Tree, logr: list[float] | None, path: list[int], emitted: int, seconds: float) -> None:
         """A drafted round: the verified tree (a lone root when nothing was worth verifying), the

@@ -3,6 +3,8 @@ Python: the same tokens every round, and afterwards both caches hold, bit for bi
 Python rounds left there; the tokens are also plain decoding's (the independent reference)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -94,3 +96,86 @@ def test_chain_round_refuses_bad_arguments(pair):
         _cpu.chain_round(**{**args, "unseen": [1, 2, oracle.config.vocab_size]})
     with pytest.raises(ValueError, match="exceed the cache"):
         _cpu.chain_round(**{**args, "oracle_start": o.max_len - 1})
+
+
+def _draft_chain_reference(draft, prompt, depth):
+    """The draft's greedy chain after ``prompt`` on the torch path, with each token's softmax
+    probability: the independent reference of what a planned chain offers."""
+    runner = ModelRunner(draft, TorchBackend(native=False))
+    runner.reset()
+    runner.prefill(prompt[:-1])
+    tokens, probs, last = [], [], prompt[-1]
+    for _ in range(depth):
+        p = torch.softmax(runner.step(last).double(), -1)
+        last = int(p.argmax())
+        tokens.append(last)
+        probs.append(float(p[last]))
+    return tokens, probs
+
+
+@pytest.mark.parametrize("go,keep,expect", [
+    ([0.7, 0.6, 0.3, 0.5, 0.0, 0.0], [0.0] * 6, 4),  # A = c, c^2, ..: the 4th pass is not worth it
+    ([0.7, 0.6, 0.3, 0.5, 0.0, 0.0], [0.1, 0.1, 0.45, 0.45, 0, 0], 3),  # the 4th token is not worth its node
+    ([0.0] * 6, [0.0] * 6, 6),  # every pass pays: the whole depth
+    ([0.9] * 6, [0.9] * 6, 0),  # not even the first token: a plain step, the oracle does not run
+])
+def test_a_planned_chain_stops_where_its_rule_says(pair, go, keep, expect):
+    """``chain_round`` with a planner's rule: chain token i has the value A(i), the product of
+    calibration[bin of its draft probability] along the chain; another pass runs while
+    A(i) > go[i - 1], then the chain keeps its tokens while A(i) > keep[i - 1]. The chain is the
+    draft's greedy chain on the torch path, cut where that rule cuts it, and the tokens emitted
+    are plain greedy decoding's."""
+    oracle, draft = (load_model(d) for d in pair)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, oracle.config.vocab_size, (9,), generator=g).tolist()
+    with torch.inference_mode():
+        ref_tokens, ref_probs = _draft_chain_reference(draft, prompt, 6)
+        calibration = [0.8 - 0.05 * b for b in range(10)]  # any bin: the rule reads the draft's r
+        values, a = [], 1.0
+        for r in ref_probs:
+            a *= calibration[min(9, int(r * 10))]
+            values.append(a)
+        n = 0
+        while n < 6:
+            n += 1
+            if not values[n - 1] > go[n - 1]:
+                break
+        drafted = n  # one draft pass a token
+        while n > 0 and not values[n - 1] > keep[n - 1]:
+            n -= 1
+        assert n == expect
+        dec = _make(SpeculativeDecoder, oracle, draft, SamplingParams(), 6)
+        dec.start(prompt)
+        d, o, unseen = dec.drafter.runner, dec.oracle, dec.drafter.unseen
+        root_position = o.length
+        d_start, o_start = d.reserve(len(unseen) + 5), o.reserve(7)
+        chain, logr, path, emitted, passes, _, _ = _cpu.chain_round(
+            d.native, d.cache.k, d.cache.v, d_start, unseen, d_start, o.native, o.cache.k, o.cache.v, o_start,
+            root_position, 6, 0.0, 0, 1.0, 0, 0.0, 0, 0, calibration, go, keep)
+        plain = PlainDecoder(ModelRunner(oracle, TorchBackend(native=True)), SamplingConfig.make(SamplingParams(),
+                                                                                                 oracle.config.vocab_size))
+        want, _ = _run(plain, prompt, 8)
+    assert chain == ref_tokens[:n]
+    assert len(logr) == n and all(abs(math.exp(x) - p) < 1e-5 for x, p in zip(logr, ref_probs))
+    assert passes == drafted
+    if n == 0:
+        assert path == [] and emitted == []
+    else:
+        assert emitted == want[:len(emitted)] and len(emitted) == len(path)
+
+
+def test_a_planned_chain_needs_its_whole_rule(pair):
+    oracle, draft = (load_model(d) for d in pair)
+    dec = _make(SpeculativeDecoder, oracle, draft, SamplingParams(), 2)
+    dec.start([1, 2, 3])
+    d, o = dec.drafter.runner, dec.oracle
+    args = dict(draft=d.native, draft_k=d.cache.k, draft_v=d.cache.v, draft_start=0, unseen=[1, 2, 3],
+                draft_position=0, oracle=o.native, oracle_k=o.cache.k, oracle_v=o.cache.v, oracle_start=2,
+                root_position=2, depth=2, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft_temperature=0.0,
+                draft_top_k=0, draft_seed=0, calibration=[0.5] * 10, go=[0.1, 0.1], keep=[0.0, 0.0])
+    with pytest.raises(ValueError, match="10 calibration bins"):
+        _cpu.chain_round(**{**args, "calibration": [0.5] * 9})
+    with pytest.raises(ValueError, match="go and keep thresholds"):
+        _cpu.chain_round(**{**args, "go": [0.1]})
+    with pytest.raises(ValueError, match="go and keep thresholds"):
+        _cpu.chain_round(**{**args, "keep": [0.1]})
