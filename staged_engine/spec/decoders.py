@@ -173,9 +173,10 @@ class SpeculativeDecoder(Decoder):
         way = planner.arm(arm)
         self.drafter.use_inner = way.inner
         if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
-            emitted = None if way.lookup else self._native_chain(remaining, way.depth)
+            lookup = way.lookup or (way.lookup_first and self.drafter.lookup_matches())
+            emitted = None if lookup else self._native_chain(remaining, way.depth)
             if emitted is None:
-                emitted = self._round(remaining, way.depth + 1, way.depth, lookup=way.lookup)[0]
+                emitted = self._round(remaining, way.depth + 1, way.depth, lookup=lookup)[0]
             planner.observe_fixed(min(len(emitted), remaining), clock.seconds())
             return emitted
         shape = self.drafter.shape

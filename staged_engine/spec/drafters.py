@@ -105,14 +105,15 @@ class ContextLookup:
         # after[n - 1][n-gram] -> the index that followed its latest occurrence
         self.after: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.ORDER)]
 
-    def propose(self, depth: int) -> list[int]:
-        """Up to ``depth`` tokens to follow the context, or none when no suffix was seen before."""
+    def propose(self, depth: int, order: int = 1) -> list[int]:
+        """Up to ``depth`` tokens to follow the context, or none when no suffix of at least
+        ``order`` tokens was seen before."""
         toks, after = self.tokens, self.after
         for i in range(self.indexed, len(toks)):  # every n-gram ending at i - 1 is followed by i
             for n in range(1, min(self.ORDER, i) + 1):
                 after[n - 1][tuple(toks[i - n:i])] = i
         self.indexed = len(toks)
-        for n in range(min(self.ORDER, len(toks)), 0, -1):
+        for n in range(min(self.ORDER, len(toks)), order - 1, -1):
             j = after[n - 1].get(tuple(toks[-n:]))
             if j is not None:
                 return toks[j:j + depth]
@@ -523,6 +524,13 @@ class ModelDrafter:
         if self.inner is not None:
             self.inner.observe(emitted, self.history)
         self.history.extend(emitted)
+
+    def lookup_matches(self) -> bool:
+        """Whether the context's last ``ContextLookup.ORDER`` tokens were seen before (prompt
+        lookup then has a chain with a long match behind it)."""
+        if self.lookup is None:
+            self.lookup = ContextLookup(self.history)
+        return bool(self.lookup.propose(1, ContextLookup.ORDER))
 
     def build_lookup(self, max_depth: int) -> DraftRound:
         """The oracle's tree for a round drafted by prompt lookup alone (``ContextLookup``): the

@@ -149,8 +149,10 @@ class RoundCost:
 # The ways of running rounds that ``Stints`` compares on the clock: plain steps, the rounds
 # ``RoundPlanner`` plans, and fixed chains of 1-3 drafted tokens, with and (staged) without the
 # inner stage's proposals; for staged also chains of up to 3 tokens from prompt lookup alone (no
-# draft pass: ``ContextLookup``). A planned round of a chain without an inner stage (the chain
-# strategy's) runs in one native call (``chain_rule``). A cost model can under- or over-draft, and an n-gram stage can
+# draft pass: ``ContextLookup``), and chains of 2-3 tokens that come from prompt lookup in the
+# rounds where the context's last 3 tokens were seen before and from the draft in the others.
+# A planned round of a chain without an inner stage (the chain strategy's) runs in one native
+# call (``chain_rule``). A cost model can under- or over-draft, and an n-gram stage can
 # cost more than it saves on some machine: a fixed way the clock finds faster here is played
 # instead, and plain steps when nothing drafted pays.
 PLAIN, PLANNED = 0, 1
@@ -163,6 +165,9 @@ class Arm(NamedTuple):
     depth: int | None = None  # a fixed chain's depth; None: plain steps or planned rounds
     inner: bool = True  # whether the inner stage (n-gram) proposes
     lookup: bool = False  # the chain comes from prompt lookup, with no draft pass
+    # Round by round: prompt lookup's chain when the context's last ContextLookup.ORDER tokens
+    # were seen before, else the draft's fixed chain.
+    lookup_first: bool = False
 
 
 def arms_for(staged: bool) -> tuple[Arm, ...]:
@@ -172,6 +177,7 @@ def arms_for(staged: bool) -> tuple[Arm, ...]:
     if staged:
         arms += [Arm(f"fixed_{d}+ngram", d, True) for d in FIXED_DEPTHS]
         arms += [Arm(f"lookup_{LOOKUP_DEPTH}", LOOKUP_DEPTH, False, True)]
+        arms += [Arm(f"lookup_or_fixed_{d}", d, False, False, True) for d in (2, 3)]
     return tuple(arms)
 
 
@@ -446,7 +452,9 @@ class RoundPlanner:
     def drafting(self) -> bool:
         """Whether the coming round will run the draft model (what ``start_round`` will say)."""
         arm = self.m.stints.arm
-        return arm != PLAIN and not self.m.arms[arm].lookup
+        # A lookup-first arm's draft falls behind by every lookup round: its backlog is part of
+        # the arm's cost, caught up in its next draft pass, on the clock.
+        return arm != PLAIN and not self.m.arms[arm].lookup and not self.m.arms[arm].lookup_first
 
     def arm(self, index: int) -> Arm:
         """What arm ``index`` (from ``start_round``) plays."""

@@ -429,8 +429,8 @@ def test_context_lookup_proposes_what_followed_the_latest_earlier_occurrence():
     tokens that followed its most recent earlier occurrence; fed in pieces as rounds would."""
     from staged_engine.spec.drafters import ContextLookup
 
-    def brute(toks, depth):
-        for n in range(min(3, len(toks)), 0, -1):
+    def brute(toks, depth, order=1):
+        for n in range(min(3, len(toks)), order - 1, -1):
             for s in range(len(toks) - n - 1, -1, -1):
                 if toks[s:s + n] == toks[-n:]:
                     return toks[s + n:s + n + depth]
@@ -444,6 +444,7 @@ def test_context_lookup_proposes_what_followed_the_latest_earlier_occurrence():
         while len(history) < len(seq):
             for depth in (1, 3):
                 assert look.propose(depth) == brute(history, depth)
+                assert look.propose(depth, 3) == brute(history, depth, 3)  # a 3-token suffix or nothing
             step = int(torch.randint(1, 4, (1,), generator=g))
             history.extend(seq[len(history):len(history) + step])
     assert ContextLookup([]).propose(3) == []
@@ -479,6 +480,47 @@ def test_rounds_of_prompt_lookup_equal_plain(engine, kw):
                 got += dec.round(60 - len(got))
         assert got == want
         assert memory.stints.rounds[lookup] == 16 and memory.stints.rounds[2] > 0
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
+def test_lookup_or_draft_rounds_equal_plain(engine, kw, monkeypatch):
+    """The lookup-first arm: prompt lookup's chain in the rounds where the context's last 3
+    tokens were seen before, the draft's fixed chain (natively, caught up on what lookup rounds
+    left) in the others. Both kinds of rounds run, and the output is plain decoding's."""
+    from staged_engine.config import SHAPE_LIMITS
+    from staged_engine.model.runner import ModelRunner
+    from staged_engine.sampling import SamplingConfig, SamplingParams
+    from staged_engine.spec.decoders import SpeculativeDecoder
+    from staged_engine.spec.drafters import ModelDrafter
+    from staged_engine.spec.planner import PlannerMemory
+
+    arms = arms_for(True)
+    both = next(i for i, a in enumerate(arms) if a.lookup_first and a.depth == 3)
+    costs = (engine.cost_profile("oracle"), engine.cost_profile("draft"))
+    sampling = SamplingConfig.make(SamplingParams(**kw), VOCAB)
+    kinds = []
+    real_round, real_native = SpeculativeDecoder._round, SpeculativeDecoder._native_chain
+    monkeypatch.setattr(SpeculativeDecoder, "_round",
+                        lambda self, *a, **k: kinds.append("lookup" if k.get("lookup") else "python") or
+                        real_round(self, *a, **k))
+    monkeypatch.setattr(SpeculativeDecoder, "_native_chain",
+                        lambda self, *a, **k: kinds.append("draft") or real_native(self, *a, **k))
+    prompt = _prompts(1, 11)[0] + [3, 4, 5, 3, 4, 5, 3, 4]
+    want = engine.generate(prompt, max_new_tokens=80, strategy="plain", **kw).token_ids
+    memory = PlannerMemory(arms)
+    memory.stints.arm, memory.stints.plan = both, [both] * 50
+    drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["staged"])
+    dec = SpeculativeDecoder(ModelRunner(engine.oracle, engine.backend), sampling, drafter, "staged",
+                             lambda: RoundPlanner(*costs, memory))
+    got = []
+    with torch.inference_mode():
+        dec.start(prompt)
+        got += dec.round(80)  # the prompt's 3, 4 was seen before: a lookup round
+        while len(got) < 80:
+            got += dec.round(80 - len(got))
+    assert got == want
+    assert kinds[0] == "lookup" and "draft" in kinds
+    assert memory.stints.rounds[both] == len([k for k in kinds if k != "python"])
 
 
 def test_the_drafts_catch_up_is_not_counted_against_its_arm(engine, monkeypatch):
