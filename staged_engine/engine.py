@@ -296,7 +296,7 @@ class Engine:
         on disk for these models on this machine (``spec.planner.load_memory``)."""
         key = (config.strategy, config.spec.shape, config.spec.ngram_widths, config.params.greedy)
         return self._memory(key, lambda: {
-            "schema": 3, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
+            "schema": 4, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
             "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
             "greedy": config.params.greedy}, arms_for(config.strategy == "staged"))
 

@@ -147,14 +147,13 @@ class RoundCost:
 
 
 # The ways of running rounds that ``Stints`` compares on the clock: plain steps, the rounds
-# ``RoundPlanner`` plans, and fixed chains of 1-3 drafted tokens, with and (staged) without the
-# inner stage's proposals; for staged also chains of up to 3 tokens from prompt lookup alone (no
-# draft pass: ``ContextLookup``), and chains of 2-3 tokens that come from prompt lookup in the
-# rounds where the context's last 3 tokens were seen before and from the draft in the others.
-# A planned round of a chain without an inner stage (the chain strategy's) runs in one native
-# call (``chain_rule``). A cost model can under- or over-draft, and an n-gram stage can
-# cost more than it saves on some machine: a fixed way the clock finds faster here is played
-# instead, and plain steps when nothing drafted pays.
+# ``RoundPlanner`` plans, and the draft's fixed chains of 1-3 tokens; for staged also chains of
+# up to 3 tokens from prompt lookup alone (no draft pass: ``ContextLookup``), and chains of 2-3
+# tokens that come from prompt lookup in the rounds where the context's last 3 tokens were seen
+# before and from the draft in the others. A planned round of a chain without an inner stage
+# (the chain strategy's) runs in one native call (``chain_rule``). A cost model can under- or
+# over-draft, and an n-gram stage can cost more than it saves on some machine: a fixed way the
+# clock finds faster here is played instead, and plain steps when nothing drafted pays.
 PLAIN, PLANNED = 0, 1
 FIXED_DEPTHS = (1, 2, 3)
 LOOKUP_DEPTH = 3
@@ -171,11 +170,13 @@ class Arm(NamedTuple):
 
 
 def arms_for(staged: bool) -> tuple[Arm, ...]:
-    """The arms of a strategy: the fixed chains run without the inner stage (the chain
-    strategy's), and for staged also with it, and prompt lookup's chains."""
+    """The arms of a strategy: plain steps, planned rounds (staged's with the n-gram stage) and
+    the draft's fixed chains (the chain strategy's); for staged also prompt lookup's chains and
+    the lookup-or-draft chains. (Fixed chains with the n-gram stage's proposals were arms too:
+    they run on the Python path, and every memory kept on the project's machines scored them
+    below the native fixed chain of the same depth, so they only cost exploration.)"""
     arms = [Arm("plain"), Arm("planned"), *(Arm(f"fixed_{d}", d, False) for d in FIXED_DEPTHS)]
     if staged:
-        arms += [Arm(f"fixed_{d}+ngram", d, True) for d in FIXED_DEPTHS]
         arms += [Arm(f"lookup_{LOOKUP_DEPTH}", LOOKUP_DEPTH, False, True)]
         arms += [Arm(f"lookup_or_fixed_{d}", d, False, False, True) for d in (2, 3)]
     return tuple(arms)
