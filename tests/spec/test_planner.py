@@ -561,3 +561,19 @@ def test_the_drafts_catch_up_is_not_counted_against_its_arm(engine, monkeypatch)
         wall = _time.perf_counter() - t
     assert caught and wall >= 0.08  # the catch-up ran, inside the round
     assert memory.stints.rounds[fixed_1] == 1 and memory.stints.seconds < 0.04
+
+
+def test_temperatures_share_a_planner_memory_within_a_band(pair, tmp_path, monkeypatch):
+    """Sampling at T 0.8 and T 1.0 learns into one memory, T 1.2 into another (at T 1.2 the
+    chains that pay at 0.8 can lose to plain steps), and greedy into its own."""
+    monkeypatch.setenv("STAGED_ENGINE_CACHE", str(tmp_path))
+    oracle, draft = pair
+    eng = Engine.from_pretrained(oracle, draft=draft)
+    kw = dict(max_new_tokens=4, strategy="chain")
+    for t in (0.8, 1.0, 1.19):
+        eng.generate([1, 2, 3], temperature=t, **kw)
+    assert len(eng._memories) == 1
+    eng.generate([1, 2, 3], temperature=1.2, **kw)
+    assert len(eng._memories) == 2
+    eng.generate([1, 2, 3], **kw)
+    assert len(eng._memories) == 3
