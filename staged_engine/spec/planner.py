@@ -253,6 +253,8 @@ class Stints:
     draft's catch-up on what plain steps left, which the clock does not count against the arm).
     When the best changes between two drafting arms scored within ``tie`` of each other (two
     chain depths of about equal speed trading places on the clock's noise) the stint grows on.
+    An arm with no pair yet (a memory kept before its first comparisons were done) is the next
+    challenger, after a first stint's worth of the best arm, whatever the stint has grown to.
     """
 
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
@@ -323,7 +325,11 @@ class Stints:
         total = sum(self.pairs) / 2 + 1
         bonus = lambda a: self.bonus * math.sqrt(math.log(total + 1) / (self.pairs[a] + 1))  # noqa: E731
         others = [a for a in range(1, self.n_arms) if a != best]
-        challenger = max(others, key=lambda a: (self.score[a] + bonus(a), -a)) if others else PLAIN
+        # An arm never compared yet (its first comparison cut short when a memory was kept and
+        # restored mid-plan) has no score to be optimistic about: it is checked first.
+        unseen = [a for a in others if self.pairs[a] == 0]
+        challenger = unseen[0] if unseen else \
+            max(others, key=lambda a: (self.score[a] + bonus(a), -a)) if others else PLAIN
         if self.favoured is not None:
             gap = self.score[best] - (self.score[challenger] + bonus(challenger))
             cap = self.max_stint * 2 ** min(2, max(0, int(gap / 0.1)))
@@ -336,11 +342,11 @@ class Stints:
         self.checks += 1
         if best == PLAIN:
             check = [challenger, PLAIN]
-        elif self.checks % 2 == 1 or challenger == PLAIN:
+        elif (self.checks % 2 == 1 and not unseen) or challenger == PLAIN:
             check = [PLAIN, best]
         else:
             check = [challenger, PLAIN, best]
-        self.plan = [best] * self.stint + check
+        self.plan = [best] * (self.first_stint if unseen else self.stint) + check
 
     def state(self) -> dict:
         """What outlives the process (``save_memory``): the scores and how sure they are."""

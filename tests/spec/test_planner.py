@@ -280,6 +280,28 @@ def test_stints_state_round_trips_and_a_restored_stints_plays_its_best_arm():
             Stints().restore(bad)
 
 
+def test_arms_a_kept_memory_never_compared_are_checked_soon_after_restore():
+    """A memory kept in the middle of its first comparisons (a short first generation) holds
+    arms with no pairs. Restored, those arms are checked within a few blocks, before the best
+    arm's long stints, and the faster one among them takes over."""
+    st = Stints(arms=5)
+    st.score, st.pairs = [0.0, 0.1, 0.25, 0.0, 0.0], [4, 2, 2, 0, 0]  # arms 3 and 4 never compared
+    st.rounds = [64, 32, 32, 0, 0]
+    st.stint, st.favoured = 32, 2
+    state = json.loads(json.dumps(st.state()))
+    again = Stints(arms=5)
+    again.restore(state)
+    played = []
+    for _ in range(2000):
+        arm = again.arm
+        played.append(arm)
+        again.record(1, 1.0 / {0: 1.0, 1: 1.1, 2: 1.28, 3: 1.6, 4: 1.2}[arm])
+    first = {a: played.index(a) for a in (3, 4)}
+    assert max(first.values()) < 16 * 12  # both within a dozen blocks
+    assert again.pairs[3] > 0 and again.pairs[4] > 0
+    assert max(range(5), key=lambda a: again.score[a]) == 3 and played[-1] == 3
+
+
 def test_planner_memory_is_kept_across_engine_loads_and_a_bad_file_is_ignored(pair, cache):
     oracle, draft = pair
     eng = Engine.from_pretrained(oracle, draft=draft)
