@@ -203,11 +203,6 @@ def render() -> str:
                              "e2e_identity_all_prompts.json")
     # Measured before the native forward pass (f1b769e, 66644b7 and after): not shown until re-run.
     _OLD_CODE.extend(n for n in ("plain_vs_hf.json",) if os.path.isfile(os.path.join(RESULTS, n)))
-    # Measured before the native chain round and the planner's tie rule (9a6611c, 986588d), which
-    # change the rounds they time: not shown until re-run.
-    _OLD_CODE.extend(n for n in ("sweep_greedy.json", "sweep_topp.json", "sweep_sampled.json", "temperature.json",
-                                 "dsbd_fixed_w2.json", "dsbd_fixed_w4.json", "dsbd_fixed_w8.json")
-                     if os.path.isfile(os.path.join(RESULTS, n)))
     sweeps = [r for r in (_load(f"sweep_{m}.json") for m in ("greedy", "topp", "sampled"))
               if r is not None and "planned" in r and f"sweep_{r['mode']}.json" not in _OLD_CODE]
     if sweeps:
@@ -226,7 +221,7 @@ def render() -> str:
     # Measured before the native KV path commit that beams use (csrc/cpu_sampling.cpp): not shown.
     _OLD_CODE.extend(n for n in ("dsbd.json", "dsbd_static.json") if os.path.isfile(os.path.join(RESULTS, n)))
     for name, title in (("dsbd_fixed_w2.json", "DSBD with a fixed width, W = 2, one cache row per beam "
-                         "(`staged-engine bench dsbd --num-beams 2 --limit 6 --systems dsbd beam_rows beam --options "
+                         "(`staged-engine bench dsbd --num-beams 2 --limit 12 --systems dsbd beam_rows beam --options "
                          "'{\"dsbd\": {\"dynamic\": false, \"layout\": \"rows\", \"adaptive\": true}}'`)"),
                         ("dsbd_fixed_w4.json", "DSBD with a fixed width, W = 4, one cache row per beam"),
                         ("dsbd_fixed_w8.json", "DSBD with a fixed width, W = 8, one cache row per beam"),
