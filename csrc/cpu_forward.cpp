@@ -682,9 +682,9 @@ class NativeGPT2 {
   PackedLinear head_;
 };
 
-// One round of a fixed draft chain, drafted and verified without returning to Python (the
-// Python round costs as much as a small draft's passes: ~150 us of interpreter work, most of it
-// cache misses after the oracle's pass has streamed its weights through L2).
+// One round of a draft chain (fixed, or planned: below), drafted and verified without returning
+// to Python (the Python round costs as much as a small draft's passes: ~150 us of interpreter
+// work, most of it cache misses after the oracle's pass has streamed its weights through L2).
 //
 // The draft runs its passes over cache row 0: the first over the tokens it has not seen
 // (``unseen``, ending in the root, at positions d_pos0..), each later one over the chain's tip,

@@ -139,6 +139,7 @@ def temperature_band(temperature: float) -> int:
     [0.8, 1.2) 2, [1.2, 1.6) 3, and 4 above (greedy is band 0)."""
     return min(4, int(temperature * 2.5 + 1e-9))
 
+
 class Engine:
     """An oracle model, optional drafters, a tokenizer and a backend; decoding strategies on top."""
 

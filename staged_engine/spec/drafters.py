@@ -525,21 +525,23 @@ class ModelDrafter:
             self.inner.observe(emitted, self.history)
         self.history.extend(emitted)
 
+    def _context_lookup(self) -> ContextLookup:
+        """Prompt lookup over this drafter's history, made at first use."""
+        if self.lookup is None:
+            self.lookup = ContextLookup(self.history)
+        return self.lookup
+
     def lookup_matches(self) -> bool:
         """Whether the context's last ``ContextLookup.ORDER`` tokens were seen before (prompt
         lookup then has a chain with a long match behind it)."""
-        if self.lookup is None:
-            self.lookup = ContextLookup(self.history)
-        return bool(self.lookup.propose(1, ContextLookup.ORDER))
+        return bool(self._context_lookup().propose(1, ContextLookup.ORDER))
 
     def build_lookup(self, max_depth: int) -> DraftRound:
         """The oracle's tree for a round drafted by prompt lookup alone (``ContextLookup``): the
         chain of at most ``max_depth`` tokens that followed the context's suffix before, with no
         draft pass (a lone root when nothing matches: a plain step)."""
-        if self.lookup is None:
-            self.lookup = ContextLookup(self.history)
         tree = Tree(self.unseen[-1])
-        for parent, token in enumerate(self.lookup.propose(max_depth) if max_depth > 0 else []):
+        for parent, token in enumerate(self._context_lookup().propose(max_depth) if max_depth > 0 else []):
             tree.add(parent, token)
         return DraftRound(tree, list(range(len(tree))), [-1] * len(tree))
 

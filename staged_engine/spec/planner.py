@@ -516,9 +516,8 @@ class RoundPlanner:
             node = [self.node_cost(i, 1) for i in range(1, depth + 2)]
             costs = [pass_cost + node[i] for i in range(1, depth + 1)]
             self._chain_costs = (costs, node)
-        lam = self.price()
-        go = lam / max(self.acceptance.top_rate(), 1e-6)
-        acc = self.acceptance
+        acc, lam = self.acceptance, self.price()
+        go = lam / max(acc.top_rate(), 1e-6)  # a pass's gain is A(i) times the top child's rate
         return ([a / o for a, o in zip(acc.accepted, acc.offered)], [go * c for c in costs[:depth]],
                 [lam * c for c in node[:depth]])
 
@@ -544,31 +543,29 @@ class RoundPlanner:
         self.m.rate.add(emitted, seconds)
         self.m.stints.record(emitted, seconds)
 
+    def _observe_drafted(self, pass_rows: list[int], nodes: int, emitted: int, seconds: float) -> None:
+        """A drafted round's time against the cost model's prediction, its rate and its arm's clock."""
+        m = self.m
+        self.drafted_rounds += 1
+        x = self._features(pass_rows, nodes)
+        seconds = _clip(seconds, m.cost.predict(x))
+        m.cost.add(x, seconds)
+        m.rate.add(emitted, seconds)
+        m.stints.record(emitted, seconds)
+
     def observe_chain(self, logr: list[float], accepted: int, unseen: int, passes: int, emitted: int,
                       seconds: float) -> None:
         """A planned chain's native round (``chain_rule``): the draft's log r of each chain token,
         ``accepted`` nodes accepted (the root included), the first of ``passes`` draft passes
         over ``unseen`` rows, the tokens emitted and its wall seconds. As ``observe``."""
-        m = self.m
-        self.drafted_rounds += 1
-        x = self._features([unseen] + [1] * (passes - 1), len(logr) + 1)
-        seconds = _clip(seconds, m.cost.predict(x))
-        m.cost.add(x, seconds)
-        m.rate.add(emitted, seconds)
-        m.stints.record(emitted, seconds)
+        self._observe_drafted([unseen] + [1] * (passes - 1), len(logr) + 1, emitted, seconds)
         for i in range(min(accepted, len(logr))):  # token i + 1 was offered: node i was accepted
             self.acceptance.observe(math.exp(logr[i]), i + 1 < accepted, top=True)
 
     def observe(self, tree: Tree, logr: list[float] | None, path: list[int], emitted: int, seconds: float) -> None:
         """A drafted round: the verified tree (a lone root when nothing was worth verifying), the
         accepted path, the tokens emitted and its wall seconds."""
-        m = self.m
-        self.drafted_rounds += 1
-        x = self._features(self.pass_rows, len(tree))
-        seconds = _clip(seconds, m.cost.predict(x))
-        m.cost.add(x, seconds)
-        m.rate.add(emitted, seconds)
-        m.stints.record(emitted, seconds)
+        self._observe_drafted(self.pass_rows, len(tree), emitted, seconds)
         if len(tree) == 1:
             return
         on_path = set(path)
