@@ -36,6 +36,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include <unistd.h>
 #include <vector>
@@ -253,6 +254,13 @@ void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, i
                  Epilogue ep, int tid, int nt) {
   const int64_t groups = (L.panels + kPanels - 1) / kPanels;
   linear_groups(L, x, ldx, y, ldy, R, ep, groups * tid / nt, groups * (tid + 1) / nt);
+}
+
+// Whether weights of this many bytes outgrow the L2 caches of the threads that stream them (then
+// every pass reads them from L3 or DRAM, and the decoder prefetches ahead in each stream).
+bool outgrows_l2(int64_t bytes) {
+  const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  return bytes > (l2 > 0 ? l2 : (1L << 20)) * static_cast<int64_t>(std::max(1, omp_get_max_threads()));
 }
 
 // The threads of one forward meet here after each step that the next reads in full. A pass
@@ -507,9 +515,7 @@ class NativeGPT2 {
     // ahead than the hardware prefetchers reach in a short run of one panel group: prefetch
     // 4 KB ahead (measured on the demo oracle, 17 MB: 0.90-0.95x the pass time without). Weights
     // the L2 caches hold (the demo draft's) gain nothing from it and pay its instructions.
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    const int64_t l2_total = (l2 > 0 ? l2 : (1L << 20)) * std::max(1, omp_get_max_threads());
-    if (weight_bytes() > l2_total) {
+    if (outgrows_l2(weight_bytes())) {
       head_.ahead = kPrefetchBytes;
       for (auto& b : blocks_) b.qkv.ahead = b.proj.ahead = b.fc.ahead = b.mproj.ahead = kPrefetchBytes;
     }
@@ -772,6 +778,31 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
   return {chain, logr, path, emitted, passes, draft_seconds, oracle_seconds};
 }
 
+// The native linear kernel alone, for the microbenchmark of what bounds an N-node pass
+// (bench/linear.py): seconds of each of ``repeats`` calls of y (rows, M) = x (rows, K) W^T, with W
+// packed as the decoder packs it (float16 when every value is fp16-exact, else float32; the same
+// prefetch rule) and the output features split over the threads as in a forward pass, one
+// OpenMP region a call. Returns (seconds per call, packed as float16, packed weight bytes).
+std::tuple<std::vector<double>, bool, int64_t> linear_seconds(const torch::Tensor& weight, int64_t rows,
+                                                             int64_t repeats) {
+  SE_CHECK(rows >= 1 && rows <= 4096, "rows must be in [1, 4096], got ", rows);
+  SE_CHECK(repeats >= 1 && repeats <= 100000, "repeats must be in [1, 100000], got ", repeats);
+  PackedLinear L = pack_linear(weight, c10::nullopt, "weight");
+  if (outgrows_l2(static_cast<int64_t>(L.bytes()))) L.ahead = kPrefetchBytes;
+  std::vector<float> x(rows * L.K), y(rows * L.M);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
+  const int nt = std::max(1, std::min<int>(at::get_num_threads(), 64));
+  std::vector<double> seconds;
+  seconds.reserve(repeats);
+  for (int64_t i = 0; i < repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(nt)
+    linear_part(L, x.data(), L.K, y.data(), L.M, rows, Epilogue::kStore, omp_get_thread_num(), omp_get_num_threads());
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return {seconds, L.half, static_cast<int64_t>(L.bytes())};
+}
+
 void register_native_forward(py::module& m) {
   py::class_<NativeGPT2>(m, "NativeGPT2",
                          "A GPT-2 model packed for the native decode path: one call per forward pass")
@@ -791,6 +822,10 @@ void register_native_forward(py::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
       .def_property_readonly("half", &NativeGPT2::half);
+  m.def("linear_seconds", &linear_seconds,
+        "seconds of each call of the native linear kernel alone over `rows` rows of a (out, in) float32 weight, "
+        "packed as the decoder packs it: (seconds, packed as float16, packed bytes)",
+        py::arg("weight"), py::arg("rows"), py::arg("repeats"), py::call_guard<py::gil_scoped_release>());
   m.def("chain_round", &chain_round,
         "one round of a draft chain, fixed or planned: the draft's passes, the oracle's pass and the acceptance walk, "
         "entries left pending; (chain, log r, path, emitted, draft passes, draft seconds, oracle seconds)",

@@ -283,6 +283,21 @@ def test_fp16_exact_weights_are_streamed_as_fp16(checkpoints):
     assert not TorchBackend(native=True).native_model(model).half
 
 
+@pytest.mark.parametrize("out,inp", [(17, 5), (200, 96)])
+def test_the_linear_kernel_alone_is_timed_as_the_decoder_packs_it(out, inp):
+    """``_cpu.linear_seconds`` (bench/linear.py) times the decoder's own packing: fp16 when every
+    value is fp16-exact, fp32 otherwise, padded to whole panels of output features."""
+    w = (torch.randn(out, inp, generator=torch.Generator().manual_seed(0)) * 0.1).half().float()
+    seconds, half, nbytes = _cpu.linear_seconds(w, 3, 5)
+    lanes = 16 if "avx512f" in open("/proc/cpuinfo").read() else 8
+    panels = -(-out // lanes)
+    assert len(seconds) == 5 and all(s > 0 for s in seconds)
+    assert half and nbytes == panels * lanes * inp * 2
+    w[0, 0] += 1e-4  # not on the fp16 grid there
+    _, half, nbytes = _cpu.linear_seconds(w, 1, 1)
+    assert not half and nbytes == panels * lanes * inp * 4
+
+
 BAD = '''
 import torch
 from staged_engine import _cpu
@@ -314,6 +329,10 @@ cases = {
     "m (uncommitted": lambda: ok.forward_ids([1, 2], [0, 1], k, k.clone(), 0, 1),
     "must be (1, ": lambda: ok.forward_ids([1, 2], [0, 1], torch.zeros(1, 2, H, 16, C // H),
                                            torch.zeros(1, 2, H, 16, C // H), 0, 2),
+    "rows must be": lambda: _cpu.linear_seconds(torch.zeros(4, 3), 0, 1),
+    "repeats must be": lambda: _cpu.linear_seconds(torch.zeros(4, 3), 1, 0),
+    "weight must be 2-D": lambda: _cpu.linear_seconds(torch.zeros(4), 1, 1),
+    "weight must be float32": lambda: _cpu.linear_seconds(torch.zeros(4, 3, dtype=torch.float64), 1, 1),
 }
 for name, call in cases.items():
     try:
@@ -329,7 +348,7 @@ for name, call in cases.items():
 def test_bad_arguments_raise_value_error_in_a_subprocess():
     out = subprocess.run([sys.executable, "-c", BAD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("ok") == 18
+    assert out.stdout.count("ok") == 22
 
 
 def test_a_dtype_the_native_path_does_not_run_falls_back_with_one_warning(checkpoints):
