@@ -803,6 +803,40 @@ std::tuple<std::vector<double>, bool, int64_t> linear_seconds(const torch::Tenso
   return {seconds, L.half, static_cast<int64_t>(L.bytes())};
 }
 
+// Seconds of each of ``repeats`` reads of a float32 buffer of ``nbytes`` (every thread sums its
+// slice with eight independent vector accumulators, one OpenMP region a read): the read bandwidth
+// a weight stream of that size can reach here, cache-resident when it fits, for the bandwidth
+// bounds of bench/roofline.py and bench/linear.py. (torch's sum, the probe it replaces, reads a
+// cache-resident buffer at half the rate the decoder's own kernel streams weights.)
+std::vector<double> read_seconds(int64_t nbytes, int64_t repeats) {
+  SE_CHECK(nbytes >= 4096 && nbytes <= (int64_t(16) << 30), "nbytes must be in [4096, 16 GiB], got ", nbytes);
+  SE_CHECK(repeats >= 1 && repeats <= 100000, "repeats must be in [1, 100000], got ", repeats);
+  const int64_t unit = 8 * kLanes;
+  const int64_t n = nbytes / 4 / unit * unit;
+  aligned_vector<float> buf(n, 1.f);
+  const int nt = std::max(1, std::min<int>(at::get_num_threads(), 64));
+  std::vector<float> sink(64 * 16, 0.f);
+  std::vector<double> seconds;
+  seconds.reserve(repeats);
+  for (int64_t i = 0; i < repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(nt)
+    {
+      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+      const int64_t units = n / unit, u0 = units * tid / nth, u1 = units * (tid + 1) / nth;
+      vec acc[8];
+      for (auto& a : acc) a = vzero();
+      for (const float* q = buf.data() + u0 * unit; q < buf.data() + u1 * unit; q += unit)
+        for (int j = 0; j < 8; ++j) acc[j] = vadd(acc[j], vload(q + j * kLanes));
+      for (int j = 1; j < 8; ++j) acc[0] = vadd(acc[0], acc[j]);
+      sink[tid * 16] += vsum(acc[0]);  // keeps the reads
+    }
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  SE_CHECK(sink[0] > 0.f, "the read probe summed nothing");
+  return seconds;
+}
+
 void register_native_forward(py::module& m) {
   py::class_<NativeGPT2>(m, "NativeGPT2",
                          "A GPT-2 model packed for the native decode path: one call per forward pass")
@@ -822,6 +856,10 @@ void register_native_forward(py::module& m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
       .def_property_readonly("half", &NativeGPT2::half);
+  m.def("read_seconds", &read_seconds,
+        "seconds of each of `repeats` reads of an `nbytes` float32 buffer split over the threads: the read "
+        "bandwidth a weight stream of that size reaches here", py::arg("nbytes"), py::arg("repeats"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("linear_seconds", &linear_seconds,
         "seconds of each call of the native linear kernel alone over `rows` rows of a (out, in) float32 weight, "
         "packed as the decoder packs it: (seconds, packed as float16, packed bytes)",

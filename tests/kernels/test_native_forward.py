@@ -298,6 +298,11 @@ def test_the_linear_kernel_alone_is_timed_as_the_decoder_packs_it(out, inp):
     assert not half and nbytes == panels * lanes * inp * 4
 
 
+def test_the_read_probe_reports_each_read():
+    seconds = _cpu.read_seconds(1 << 20, 4)
+    assert len(seconds) == 4 and all(0 < s < 1 for s in seconds)
+
+
 BAD = '''
 import torch
 from staged_engine import _cpu
@@ -329,6 +334,8 @@ cases = {
     "m (uncommitted": lambda: ok.forward_ids([1, 2], [0, 1], k, k.clone(), 0, 1),
     "must be (1, ": lambda: ok.forward_ids([1, 2], [0, 1], torch.zeros(1, 2, H, 16, C // H),
                                            torch.zeros(1, 2, H, 16, C // H), 0, 2),
+    "nbytes must be": lambda: _cpu.read_seconds(100, 1),
+    "repeats must be in": lambda: _cpu.read_seconds(1 << 16, 0),
     "rows must be": lambda: _cpu.linear_seconds(torch.zeros(4, 3), 0, 1),
     "repeats must be": lambda: _cpu.linear_seconds(torch.zeros(4, 3), 1, 0),
     "weight must be 2-D": lambda: _cpu.linear_seconds(torch.zeros(4), 1, 1),
@@ -348,7 +355,7 @@ for name, call in cases.items():
 def test_bad_arguments_raise_value_error_in_a_subprocess():
     out = subprocess.run([sys.executable, "-c", BAD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("ok") == 22
+    assert out.stdout.count("ok") == 24
 
 
 def test_a_dtype_the_native_path_does_not_run_falls_back_with_one_warning(checkpoints):
