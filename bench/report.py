@@ -196,6 +196,11 @@ def render() -> str:
         parts += section_generic("Decode roofline: bandwidth and compute bounds, HF `generate` and llama.cpp "
                                  "(`staged-engine bench roofline`)", r, "roofline.json")
         parts += _plot("roofline.png", "share of the weight-streaming bound; N-node passes against the roofline")
+    r = _load("linear_cpu.json")
+    if r:
+        parts += section_generic("The native linear kernel alone: what bounds an N-node pass "
+                                 "(`staged-engine bench linear`)", r, "linear_cpu.json")
+        parts += _plot("linear.png", "the native linear kernel against rows, with its bounds")
     r = _load("e2e_identity_all_prompts.json")
     if r:
         parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, "
