@@ -37,10 +37,13 @@ class RoundClock:
         self.entry = time.perf_counter()
         self.t0 = self.entry if self.end is None else self.end
 
-    def exclude(self) -> None:
-        """Keep the time since ``enter`` off this round's clock (a one-off cost of the round)."""
+    def exclude(self) -> float:
+        """Keep the time since ``enter`` off this round's clock (a one-off cost of the round, to be
+        charged some other way); returns it."""
         now = time.perf_counter()
-        self.t0, self.entry = self.t0 + (now - self.entry), now
+        spent = now - self.entry
+        self.t0, self.entry = self.t0 + spent, now
+        return spent
 
     def seconds(self) -> float:
         """The round's seconds on the clock; marks its end."""
@@ -132,12 +135,18 @@ class SpeculativeDecoder(Decoder):
         self.planner_factory = planner_factory
         self.planner: RoundPlanner | None = None
         self.clock = RoundClock()
+        self.catch_up_per_token = 0.0  # seconds of the last catch-up, spread over the tokens left then
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
         self.planner = self.planner_factory() if self.planner_factory is not None else None
         self.drafter.start(prompt, lazy=self.planner is not None)
         self.clock.reset()
+        self.catch_up_per_token = 0.0
+
+    def _drafted_seconds(self, emitted: int) -> float:
+        """A drafted round's seconds on the clock plus its share of the last catch-up (``round``)."""
+        return self.clock.seconds() + self.catch_up_per_token * emitted
 
     def draft_calls(self) -> int:
         return self.drafter.calls
@@ -156,14 +165,19 @@ class SpeculativeDecoder(Decoder):
             return emitted if emitted is not None else self._round(remaining, shape.budget, shape.max_depth)[0]
         oracle, clock = self.oracle, self.clock
         clock.enter()
-        if planner.drafting() and len(self.drafter.unseen) > 4:
-            # The draft's backlog (the prompt, or what plain steps left) is the price of switching
-            # to drafting, paid once per switch. It is kept out of the clock: the clock compares
-            # the arms' own rates, and an arm that wins plays on for stints of many blocks. (When
-            # charged to the one block of a check, a backlog of a long plain stint made a draft
-            # that pays look 10-20% slower than plain.)
+        drafting = planner.drafting()
+        if drafting and len(self.drafter.unseen) > 4:
+            # The draft's backlog (the prompt, or what plain steps left) is the price of drafting
+            # in this generation from here on. It is spread over the tokens the generation has
+            # left, each drafted round paying its tokens' share: a short generation pays it all,
+            # as the caller does, while the one block of a check no longer pays a long plain
+            # stint's whole backlog (charged there, a draft that pays looked 10-20% slower than
+            # plain), and a drafting arm is not favoured for a speed it cannot deliver (kept off
+            # the clock, the draft's prefill of every prompt went unpaid: 1-3% of a 128-token
+            # generation, about the margin by which drafting arms lost while the clock rated them
+            # level with plain steps).
             self.drafter.catch_up()
-            clock.exclude()
+            self.catch_up_per_token = clock.exclude() / max(remaining, 1)
         arm = planner.start_round(oracle.length)
         if arm == PLAIN:  # plain steps, on the shortest path
             out = self.plain_steps(min(remaining, planner.plain_steps(), PLAIN_BATCH))
@@ -177,14 +191,16 @@ class SpeculativeDecoder(Decoder):
             emitted = None if lookup else self._native_chain(remaining, way.depth)
             if emitted is None:
                 emitted = self._round(remaining, way.depth + 1, way.depth, lookup=lookup)[0]
-            planner.observe_fixed(min(len(emitted), remaining), clock.seconds())
+            n = min(len(emitted), remaining)
+            planner.observe_fixed(n, self._drafted_seconds(n) if drafting else clock.seconds())
             return emitted
         shape = self.drafter.shape
         emitted = self._native_chain(remaining, shape.max_depth, planner, shape.budget)
         if emitted is not None:
             return emitted
         emitted, draft, path = self._round(remaining, shape.budget, shape.max_depth, planner)
-        planner.observe(draft.tree, draft.logr, path, min(len(emitted), remaining), clock.seconds())
+        n = min(len(emitted), remaining)
+        planner.observe(draft.tree, draft.logr, path, n, self._drafted_seconds(n))
         return emitted
 
     def extra_stats(self) -> dict:
@@ -230,8 +246,8 @@ class SpeculativeDecoder(Decoder):
             self.root = emitted[-1]
             self.accepted_lengths.append(len(emitted))
         if planner is not None:
-            planner.observe_chain(logr, max(len(path), 1), n_unseen, passes, min(len(emitted), remaining),
-                                  self.clock.seconds())
+            n = min(len(emitted), remaining)
+            planner.observe_chain(logr, max(len(path), 1), n_unseen, passes, n, self._drafted_seconds(n))
         return emitted
 
     def _round(self, remaining: int, budget: int, max_depth: int, planner: RoundPlanner | None = None,
