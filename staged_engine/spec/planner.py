@@ -250,7 +250,8 @@ class Stints:
     ``max_stint`` blocks while the challenger's optimistic score is within 10% of the best's
     rate, twice that within 20%, four times beyond: a losing arm costs about one block in every
     ``max_stint``, and one that trails far one in every 4 ``max_stint`` (a check also pays the
-    draft's catch-up on what plain steps left, which the clock does not count against the arm).
+    draft's catch-up on what plain steps left: the decoder charges each drafted round its
+    tokens' share of it, spread over the tokens the generation has left).
     When the best changes between two drafting arms scored within ``tie`` of each other (two
     chain depths of about equal speed trading places on the clock's noise) the stint grows on.
     An arm with no pair yet (a memory kept before its first comparisons were done) is the next
