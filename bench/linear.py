@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--threads", type=int, default=2, help="threads for the kernel and torch (default 2)")
     ap.add_argument("--repeats", type=int, default=40, help="calls per point on small weights (fewer on large)")
-    ap.add_argument("--out", default="linear_cpu.json")
+    ap.add_argument("--out", default="linear_cpu.json", help="file name under bench/results/ (default linear_cpu.json)")
     args = ap.parse_args(argv)
     if args.threads < 1 or args.repeats < 3:
         raise ValueError(f"--threads must be >= 1 and --repeats >= 3, got {args.threads} and {args.repeats}")
