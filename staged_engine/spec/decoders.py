@@ -135,18 +135,22 @@ class SpeculativeDecoder(Decoder):
         self.planner_factory = planner_factory
         self.planner: RoundPlanner | None = None
         self.clock = RoundClock()
-        self.catch_up_per_token = 0.0  # seconds of the last catch-up, spread over the tokens left then
+        # The last catch-up's seconds not yet charged, and its share per token emitted (``round``).
+        self.catch_up_left = self.catch_up_per_token = 0.0
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
         self.planner = self.planner_factory() if self.planner_factory is not None else None
         self.drafter.start(prompt, lazy=self.planner is not None)
         self.clock.reset()
-        self.catch_up_per_token = 0.0
+        self.catch_up_left = self.catch_up_per_token = 0.0
 
     def _drafted_seconds(self, emitted: int) -> float:
-        """A drafted round's seconds on the clock plus its share of the last catch-up (``round``)."""
-        return self.clock.seconds() + self.catch_up_per_token * emitted
+        """A drafted round's seconds on the clock plus its share of the last catch-up (``round``),
+        never more than what is left of it."""
+        share = min(self.catch_up_left, self.catch_up_per_token * emitted)
+        self.catch_up_left -= share
+        return self.clock.seconds() + share
 
     def draft_calls(self) -> int:
         return self.drafter.calls
@@ -177,7 +181,8 @@ class SpeculativeDecoder(Decoder):
             # generation, about the margin by which drafting arms lost while the clock rated them
             # level with plain steps).
             self.drafter.catch_up()
-            self.catch_up_per_token = clock.exclude() / max(remaining, 1)
+            self.catch_up_left = clock.exclude()
+            self.catch_up_per_token = self.catch_up_left / max(remaining, 1)
         arm = planner.start_round(oracle.length)
         if arm == PLAIN:  # plain steps, on the shortest path
             out = self.plain_steps(min(remaining, planner.plain_steps(), PLAIN_BATCH))

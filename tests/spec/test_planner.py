@@ -588,6 +588,12 @@ def test_the_drafts_catch_up_is_spread_over_the_tokens_left(engine, monkeypatch)
     share = 0.08 * len(emitted) / 8
     assert memory.stints.rounds[fixed_1] == 1
     assert share <= memory.stints.seconds < share + 0.03, (memory.stints.seconds, len(emitted))
+    # Eleven more rounds emit at least 11 more tokens, past the 8 it was spread over: the charges
+    # stop at the 80 ms the catch-up cost (uncapped they would pass 0.08 * 12 / 8 = 0.12 s).
+    with torch.inference_mode():
+        tokens = len(emitted) + sum(len(dec.round(8)) for _ in range(11))
+    assert caught == [True] and memory.stints.rounds[fixed_1] == 12 and tokens >= 12
+    assert 0.08 <= memory.stints.seconds < 0.08 + 0.03, memory.stints.seconds
 
 
 def test_temperatures_share_a_planner_memory_within_a_band(pair, tmp_path, monkeypatch):
