@@ -256,6 +256,9 @@ void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, i
   linear_groups(L, x, ldx, y, ldy, R, ep, groups * tid / nt, groups * (tid + 1) / nt);
 }
 
+// The threads a forward pass (and the microbenchmarks of its kernels) runs on: torch's, at most 64.
+int forward_threads() { return std::max(1, std::min<int>(at::get_num_threads(), 64)); }
+
 // Whether weights of this many bytes outgrow the L2 caches of the threads that stream them (then
 // every pass reads them from L3 or DRAM, and the decoder prefetches ahead in each stream).
 bool outgrows_l2(int64_t bytes) {
@@ -604,7 +607,7 @@ class NativeGPT2 {
     const int64_t s_l = k_all.stride(0), s_b = k_all.stride(1), s_h = k_all.stride(2), s_s = k_all.stride(3);
     float* lp = logits.data_ptr<float>();
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
-    const int nt = std::max(1, std::min<int>(at::get_num_threads(), 64));
+    const int nt = forward_threads();
     // Whether each head's q, k and v columns are whole panel groups of c_attn: then a thread
     // computes its own heads' q/k/v, writes their K/V and attends, with no barrier in between.
     const int64_t group = static_cast<int64_t>(kPanels) * kLanes;
@@ -791,7 +794,7 @@ std::tuple<std::vector<double>, bool, int64_t> linear_seconds(const torch::Tenso
   if (outgrows_l2(static_cast<int64_t>(L.bytes()))) L.ahead = kPrefetchBytes;
   std::vector<float> x(rows * L.K), y(rows * L.M);
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
-  const int nt = std::max(1, std::min<int>(at::get_num_threads(), 64));
+  const int nt = forward_threads();
   std::vector<double> seconds;
   seconds.reserve(repeats);
   for (int64_t i = 0; i < repeats; ++i) {
@@ -815,7 +818,7 @@ std::vector<double> read_seconds(int64_t nbytes, int64_t repeats) {
   const int64_t unit = 8 * kLanes;
   const int64_t n = nbytes / 4 / unit * unit;
   aligned_vector<float> buf(n, 1.f);
-  const int nt = std::max(1, std::min<int>(at::get_num_threads(), 64));
+  const int nt = forward_threads();
   std::vector<float> sink(64 * 16, 0.f);
   std::vector<double> seconds;
   seconds.reserve(repeats);
