@@ -16,6 +16,10 @@ std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint6
                                               const std::vector<int64_t>& positions, double temperature,
                                               int64_t top_k, int64_t k);
 
+// The sampling rule's choice for each row of logits (N, V), row r choosing the token at positions[r].
+std::vector<int64_t> choose_rows(const torch::Tensor& logits, uint64_t seed, const std::vector<int64_t>& positions,
+                                 double temperature, int64_t top_k, double top_p);
+
 // ALGORITHMS.md sec. 4 over a tree's logits: (accepted path, emitted tokens).
 std::pair<std::vector<int64_t>, std::vector<int64_t>> verify_tree(
     const torch::Tensor& logits, const std::vector<int64_t>& tokens, const std::vector<int64_t>& parents,

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from staged_engine.model.backend import NATIVE_MAX_ROWS, Backend
+from staged_engine.model.backend import NATIVE_MAX_ROWS, Backend, _cpu
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.kv_cache import KVCache
 
@@ -119,6 +119,28 @@ class ModelRunner:
             logits = self.run(ids, pos, None, last_only=False)[0]
         self.cache.advance()
         return logits[0]
+
+    def steps(self, root: int, n: int, rule: tuple, stop_token: int | None = None) -> list[int] | None:
+        """Up to ``n`` plain decoding steps in one native call (``_cpu.plain_steps``), committed:
+        a pass over ``root`` at the next position, the sampling ``rule`` (temperature, top_k,
+        top_p, seed) choosing the next token, fed back, until ``n`` tokens or ``stop_token``. The
+        tokens and cache entries of ``step`` and ``sampling.choose`` in a Python loop, without the
+        interpreter between passes. None off the native path (then the caller loops over ``step``)."""
+        native = self._native
+        if native is None or _cpu is None or self.cache.pending:
+            return None
+        start = self.length
+        self.cache.append(n)  # checks the room for n entries
+        t, top_k, top_p, seed = rule
+        try:
+            tokens, seconds, _ = _cpu.plain_steps(native, self.cache.k, self.cache.v, start, root, n, t, top_k, top_p,
+                                                  seed or 0, -1 if stop_token is None else stop_token)
+        except BaseException:
+            self.cache.discard()
+            raise
+        self.count(len(tokens), seconds, len(tokens))
+        self.cache.commit(list(range(len(tokens))))
+        return tokens
 
     @property
     def pending(self) -> int:

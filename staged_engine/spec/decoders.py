@@ -76,7 +76,14 @@ class Decoder:
     def plain_steps(self, n: int) -> list[int]:
         """Up to ``n`` oracle steps back to back (fewer at ``stop_token``): the tokens chosen.
         Plain decoding is made of them, and so is every round a planner spends undrafted."""
-        oracle, out = self.oracle, []
+        oracle = self.oracle
+        out = oracle.steps(self.root, n, self.sampling.rule, self.stop_token) if n > 0 else []
+        if out is not None:
+            if out:
+                self.root = out[-1]
+            self.accepted_lengths.extend([1] * len(out))
+            return out
+        out = []
         for _ in range(n):
             logits = oracle.step(self.root)
             token = choose_one(oracle.backend, logits, oracle.length, self.sampling)
