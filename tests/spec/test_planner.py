@@ -135,6 +135,34 @@ def test_an_arm_far_behind_is_checked_less_often():
         assert share == pytest.approx(1 / (stint + 2), rel=0.1), (speedup, share)
 
 
+def _checks_until(st: Stints, speedup: float, stint: int) -> int:
+    """Checks ``st`` makes before its stint reaches ``stint`` blocks, drafted rounds at
+    ``speedup`` times plain's rate (no noise)."""
+    for _ in range(200000):
+        if st.stint >= stint:
+            return st.checks
+        st.record(1, 1.0 / (speedup if st.arm == 1 else 1.0))
+    return -1
+
+
+def test_the_stint_ramps_fast_away_from_an_arm_far_behind():
+    """With plain favoured, a stint grows by 2 while the challenger is within 10% (2, 4, .. 32
+    blocks: it may win on the next drift), by 4 beyond (2, 8, 32, 128): a cold start pays 3
+    checks of an arm 40% behind before its cap, not 6."""
+    assert _checks_until(Stints(arms=2), 0.6, 128) == 1 + 3  # the first plan's, then one a stint
+    assert _checks_until(Stints(arms=2), 0.97, 32) == 1 + 4
+    # The plain blocks between checks follow the same ramp.
+    st, starts = Stints(arms=2), []
+    for _ in range(60000):
+        if st.arm == 1 and (not starts or starts[-1][0] != st.checks):
+            starts.append((st.checks, sum(st.rounds)))
+        st.record(1, 1.0 / (0.6 if st.arm == 1 else 1.0))
+    gaps = [b[1] - a[1] for a, b in zip(starts, starts[1:])]
+    # blocks from one check of the challenger to the next: a stint of plain, the challenger's block
+    # and the plain one after it
+    assert [round(g / 16) for g in gaps[1:4]] == [8 + 2, 32 + 2, 128 + 2], gaps
+
+
 def test_stints_follow_a_change_of_text():
     """Drafting pays for the first half and then stops paying: the arms swap within a few
     hundred rounds."""
