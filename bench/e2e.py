@@ -119,8 +119,10 @@ def run(args) -> dict:
         for i, (p, ids) in enumerate(encoded):
             outs, last = {}, {}
             spent = {s: 0.0 for s in args.systems}
-            for _ in range(args.repeats):  # systems alternate within each repeat: side by side in time
-                for s in args.systems:
+            for rep in range(args.repeats):  # systems alternate within each repeat: side by side in time
+                # Every other repeat (and prompt) in reverse order: no system always runs after the
+                # same neighbour (HF's thread pool, a cache another system left warm or cold).
+                for s in args.systems if (rep + i) % 2 == 0 else args.systems[::-1]:
                     bar.set_postfix_str(s)  # before the clock starts: the bar is never timed
                     t0 = time.perf_counter()
                     tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)
