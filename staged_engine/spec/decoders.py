@@ -17,7 +17,9 @@ from staged_engine.spec.planner import PLAIN, RoundPlanner
 from staged_engine.spec.verify import choose_one, verify
 
 
-PLAIN_BATCH = 8  # plain steps a round may run back to back
+# Plain steps a round of plain decoding runs back to back (one native call): its streams arrive in
+# pieces of up to this many tokens. A planner's block of plain steps (16) runs whole, in one call.
+PLAIN_BATCH = 8
 
 
 class RoundClock:
@@ -176,6 +178,13 @@ class SpeculativeDecoder(Decoder):
             return emitted if emitted is not None else self._round(remaining, shape.budget, shape.max_depth)[0]
         oracle, clock = self.oracle, self.clock
         clock.enter()
+        if planner.m.stints.arm == PLAIN:  # the rest of a block of plain steps, in one native call
+            # with no planning: interpreter work between passes runs from caches the oracle's
+            # weights have just streamed through
+            out = self.plain_steps(min(remaining, planner.plain_steps()))
+            self.drafter.skip(out)
+            planner.observe_steps(len(out), clock.seconds())
+            return out
         drafting = planner.drafting()
         if drafting and len(self.drafter.unseen) > 4:
             # The draft's backlog (the prompt, or what plain steps left) is the price of drafting
@@ -191,11 +200,6 @@ class SpeculativeDecoder(Decoder):
             self.catch_up_left = clock.exclude()
             self.catch_up_per_token = self.catch_up_left / max(remaining, 1)
         arm = planner.start_round(oracle.length)
-        if arm == PLAIN:  # plain steps, on the shortest path
-            out = self.plain_steps(min(remaining, planner.plain_steps(), PLAIN_BATCH))
-            self.drafter.skip(out)
-            planner.observe_steps(len(out), clock.seconds())
-            return out
         way = planner.arm(arm)
         self.drafter.use_inner = way.inner
         if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
