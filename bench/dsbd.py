@@ -141,7 +141,8 @@ def run(args) -> dict:
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     bar = progress_bar(len(prompts), "[dsbd]", "prompts")
     for i, p in enumerate(prompts):
-        for s in systems:
+        # Every other prompt in reverse order: no system always runs after the same neighbour.
+        for s in systems if i % 2 == 0 else systems[::-1]:
             bar.set_postfix_str(s)  # before the clocks start: the bar is never timed
             t0, c0 = time.perf_counter(), time.process_time()
             tokens, stats = run_system(eng, hf, s, p["ids"], args.new_tokens, args, i, options)
