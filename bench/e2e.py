@@ -7,6 +7,8 @@ and staged strategies. Greedy outputs of every system are compared with the engi
 output (a difference counts as a tie when the oracle's top-2 logits at the first divergence are
 within 1e-4). Per system: median tokens/s over prompts (after a warm-up), median speedup over HF
 generate and over our plain, tokens per oracle call, relative memory traffic, overhead share.
+Plain decoding also runs a second time as a system of its own (``plain_again``, an A/A control;
+``--no-aa`` skips it): its slowest prompt "vs plain" is what noise alone makes of that column.
 
     python bench/e2e.py                          # demo pair, both prompt sets, all three modes
     python bench/e2e.py --oracle DIR --draft DIR --ngram FILE --limit 20 --systems plain staged
@@ -37,6 +39,9 @@ ENGINE_SYSTEMS = ("plain", "chain", "tree", "staged")  # each strategy as a user
 # chain_K: a chain of K drafted tokens every round (a fixed shape; --chains picks the K), the
 # competition the planned default must beat.
 HF_SYSTEMS = ("hf", "hf_assisted", "hf_lookup")
+# plain decoding run a second time, as a system of its own (an A/A control): its figures "vs our
+# plain" are what the machine's noise alone makes of a system no faster or slower than plain.
+AA = "plain_again"
 TIE = 1e-4
 # The sampled modes: (engine knobs, HF generate knobs). Greedy needs none.
 SAMPLED_MODES = {"sampled": (dict(temperature=1.0, top_k=50), dict(top_k=50, temperature=1.0)),
@@ -157,6 +162,8 @@ def run(args) -> dict:
 def _run_system(eng, hf, system, ids, new_tokens, mode, seed, options):
     if system in HF_SYSTEMS:
         return hf.run(system, ids, new_tokens, mode, seed), {}
+    if system == AA:
+        system = "plain"
     strategy, _, k = system.partition("_")
     kw = dict(max_new_tokens=new_tokens, strategy=strategy, stop_at_eos=False)
     if k:  # chain_K: a fixed chain of K drafted tokens
@@ -270,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chains", nargs="*", type=int, default=[1, 2, 3, 4],
                     help="also run fixed chains of these lengths (chain_K); the best is the bar the "
                          "planned default must clear (default 1 2 3 4; none: --chains)")
+    ap.add_argument("--no-aa", action="store_true",
+                    help=f"skip the A/A control ({AA}: plain decoding run again as a system of its own, "
+                         "whose slowest prompt vs plain is the noise floor of that column)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each prompt this many times, systems alternating (per-prompt figures "
                          "average the repeats: machine drift cancels)")
@@ -288,6 +298,8 @@ def main(argv=None) -> int:
     if args.repeats < 1 or any(k < 1 for k in args.chains):
         raise SystemExit("--repeats and --chains need integers >= 1")
     args.systems += [f"chain_{k}" for k in args.chains]
+    if not args.no_aa:
+        args.systems.append(AA)
     result = run(args)
     publish(result, markdown(result), args.out)
     return 0
