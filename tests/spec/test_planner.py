@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 import time
 
 import pytest
@@ -161,6 +162,54 @@ def test_the_stint_ramps_fast_away_from_an_arm_far_behind():
     # blocks from one check of the challenger to the next: a stint of plain, the challenger's block
     # and the plain one after it
     assert [round(g / 16) for g in gaps[1:4]] == [8 + 2, 32 + 2, 128 + 2], gaps
+
+
+def _yield_drop_run(drop: float) -> tuple[list[int], Stints]:
+    """Plain steps at 1 token per unit time; the drafting arm's round costs 2 units and yields
+    2.6 tokens (1.3x plain) until round 3000, then 1.2 (0.6x): the text stopped being one the
+    draft follows. Each round's time has 10% noise. Returns the arm of every round."""
+    g = torch.Generator().manual_seed(3)
+    st, arms = Stints(arms=2, drop=drop), []
+    for i in range(6000):
+        arm = st.arm
+        arms.append(arm)
+        noise = 1.0 + 0.1 * float(torch.randn(1, generator=g))
+        if arm == 1:
+            st.record(2.6 if i < 3000 else 1.2, 2.0 * noise)
+        else:
+            st.record(1, noise)
+    return arms, st
+
+
+def test_a_favoured_arm_whose_yield_drops_is_checked_at_once():
+    """The clock sees a drafting arm's fall only at its stint's next check (with a long stint,
+    hundreds of rounds on); its tokens per round see it in the block it happens: the stint is
+    cut and plain steps are checked at once. Off (drop=1: never), the arm plays on."""
+    watched, st = _yield_drop_run(Stints().drop)
+    blind, _ = _yield_drop_run(1.0)
+    assert sum(watched[1000:3000]) / 2000 > 0.9  # while it pays, the arm plays
+    after_watched = sum(watched[3000:3400])
+    after_blind = sum(blind[3000:3400])
+    assert st.cuts >= 1
+    assert after_watched < 0.5 * after_blind, (after_watched, after_blind)
+    assert sum(watched[4000:]) / 2000 < 0.1  # then plain steps play
+
+
+def test_a_noisy_yield_seldom_cuts_a_stint():
+    """Tokens per round drawn from 1-4 each round (a block's mean is off by ~11%): an arm 1.25x
+    plain still plays almost all rounds, its stints seldom cut."""
+    g, rnd = torch.Generator().manual_seed(5), random.Random(1)
+    st, arms = Stints(arms=2), []
+    for _ in range(8000):
+        arm = st.arm
+        arms.append(arm)
+        noise = 1.0 + 0.1 * float(torch.randn(1, generator=g))
+        if arm == 1:
+            st.record(rnd.randint(1, 4), 2.0 * noise)
+        else:
+            st.record(1, noise)
+    assert sum(arms[2000:]) / 6000 > 0.93
+    assert st.cuts <= 6
 
 
 def test_stints_follow_a_change_of_text():
