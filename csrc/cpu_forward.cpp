@@ -788,35 +788,30 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
 // and choice is the one a Python step makes (forward_ids over one token, then choose_rows), so the
 // tokens and cache entries are bit-identical; what it spares is the interpreter between them: on the
 // demo oracle ~20-27 us a token, most of it cache misses after each pass has streamed the weights.
-// The entries stay pending: the caller commits as many as tokens came back. Returns (tokens, forward
-// seconds, choice seconds).
-std::tuple<std::vector<int64_t>, double, double> plain_steps(NativeGPT2& model, torch::Tensor k, torch::Tensor v,
-                                                             int64_t start, int64_t root, int64_t n,
-                                                             double temperature, int64_t top_k, double top_p,
-                                                             uint64_t seed, int64_t stop_token) {
+// The entries stay pending: the caller commits as many as tokens came back. Returns (tokens, seconds
+// in the forward passes).
+std::tuple<std::vector<int64_t>, double> plain_steps(NativeGPT2& model, torch::Tensor k, torch::Tensor v, int64_t start,
+                                                     int64_t root, int64_t n, double temperature, int64_t top_k,
+                                                     double top_p, uint64_t seed, int64_t stop_token) {
   SE_CHECK(n >= 1, "n must be >= 1, got ", n);
   SE_CHECK(start >= 0, "start must be >= 0, got ", start);
   using clock = std::chrono::steady_clock;
-  const auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
   std::vector<int64_t> out;
   out.reserve(static_cast<size_t>(n));
   std::vector<int64_t> token{root}, position{start}, next{start + 1};
-  double forward_seconds = 0.0, choice_seconds = 0.0;
+  double forward_seconds = 0.0;
   for (int64_t i = 0; i < n; ++i) {
     const auto t0 = clock::now();
     // Slot start + i, as a committed row of length start + i with one new entry (bounds checked there).
     const torch::Tensor logits = model.forward_ids(token, position, k, v, start + i, 1, c10::nullopt, false);
-    const auto t1 = clock::now();
+    forward_seconds += std::chrono::duration<double>(clock::now() - t0).count();
     const int64_t chosen = choose_rows(logits, seed, next, temperature, top_k, top_p)[0];
-    choice_seconds += secs(t1, clock::now());
-    forward_seconds += secs(t0, t1);
     out.push_back(chosen);
     if (chosen == stop_token) break;
     token[0] = chosen;
-    position[0] = next[0];
-    ++next[0];
+    position[0] = next[0]++;
   }
-  return {out, forward_seconds, choice_seconds};
+  return {out, forward_seconds};
 }
 
 // The native linear kernel alone, for the microbenchmark of what bounds an N-node pass
@@ -908,7 +903,7 @@ void register_native_forward(py::module& m) {
         py::arg("weight"), py::arg("rows"), py::arg("repeats"), py::call_guard<py::gil_scoped_release>());
   m.def("plain_steps", &plain_steps,
         "up to n plain decoding steps of cache row 0 in one call, from `root` at position `start`, stopping after "
-        "`stop_token` (-1: none); entries left pending; (tokens, forward seconds, choice seconds)",
+        "`stop_token` (-1: none); entries left pending; (tokens, forward seconds)",
         py::arg("model"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("root"), py::arg("n"),
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token"),
         py::call_guard<py::gil_scoped_release>());

@@ -126,14 +126,14 @@ class ModelRunner:
         top_p, seed) choosing the next token, fed back, until ``n`` tokens or ``stop_token``. The
         tokens and cache entries of ``step`` and ``sampling.choose`` in a Python loop, without the
         interpreter between passes. None off the native path (then the caller loops over ``step``)."""
-        native = self._native
-        if native is None or _cpu is None or self.cache.pending:
+        native = self._native  # set only where the extension is built
+        if native is None or self.cache.pending:
             return None
         start = self.length
         self.cache.append(n)  # checks the room for n entries
         t, top_k, top_p, seed = rule
         try:
-            tokens, seconds, _ = _cpu.plain_steps(native, self.cache.k, self.cache.v, start, root, n, t, top_k, top_p,
+            tokens, seconds = _cpu.plain_steps(native, self.cache.k, self.cache.v, start, root, n, t, top_k, top_p,
                                                   seed or 0, -1 if stop_token is None else stop_token)
         except BaseException:
             self.cache.discard()

@@ -80,19 +80,13 @@ class Decoder:
         Plain decoding is made of them, and so is every round a planner spends undrafted."""
         oracle = self.oracle
         out = oracle.steps(self.root, n, self.sampling.rule, self.stop_token) if n > 0 else []
-        if out is not None:
-            if out:
-                self.root = out[-1]
-            self.accepted_lengths.extend([1] * len(out))
-            return out
-        out = []
-        for _ in range(n):
-            logits = oracle.step(self.root)
-            token = choose_one(oracle.backend, logits, oracle.length, self.sampling)
-            self.root = token
-            out.append(token)
-            if token == self.stop_token:
-                break
+        if out is None:  # off the native path: one step at a time
+            out = []
+            while len(out) < n and (not out or out[-1] != self.stop_token):
+                logits = oracle.step(out[-1] if out else self.root)
+                out.append(choose_one(oracle.backend, logits, oracle.length, self.sampling))
+        if out:
+            self.root = out[-1]
         self.accepted_lengths.extend([1] * len(out))
         return out
 
