@@ -13,7 +13,7 @@ from staged_engine.model.backend import _cpu
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig
 from staged_engine.spec.drafters import ModelDrafter
-from staged_engine.spec.planner import PLAIN, RoundPlanner
+from staged_engine.spec.planner import RoundPlanner
 from staged_engine.spec.verify import choose_one, verify
 
 
@@ -172,7 +172,7 @@ class SpeculativeDecoder(Decoder):
             return emitted if emitted is not None else self._round(remaining, shape.budget, shape.max_depth)[0]
         oracle, clock = self.oracle, self.clock
         clock.enter()
-        if planner.m.stints.arm == PLAIN:  # the rest of a block of plain steps, in one native call
+        if planner.playing_plain():  # the rest of a block of plain steps, in one native call
             # with no planning: interpreter work between passes runs from caches the oracle's
             # weights have just streamed through
             out = self.plain_steps(min(remaining, planner.plain_steps()))

@@ -495,6 +495,10 @@ class RoundPlanner:
         self.pass_rows = []
         return self.m.stints.arm
 
+    def playing_plain(self) -> bool:
+        """Whether the coming round is plain steps (``plain_steps`` says how many)."""
+        return self.m.stints.arm == PLAIN
+
     def drafting(self) -> bool:
         """Whether the coming round will run the draft model (what ``start_round`` will say)."""
         arm = self.m.stints.arm
