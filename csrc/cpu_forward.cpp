@@ -37,6 +37,7 @@
 #include <string>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 
 #include <unistd.h>
 #include <vector>
@@ -150,29 +151,11 @@ inline vec vgelu_tanh(vec x) {
 inline vec vloadw(const uint16_t* p) { return vload_h(p); }
 inline vec vloadw(const float* p) { return vload(p); }
 
-// One register block: rows [r0, r0 + NR) x panels [p0, p0 + NP) of y = x W^T + b, then the
-// epilogue. w is the panel group's weights, (K, NP, kLanes) k-major, as float16 bits (widened in
-// registers) or float32; ahead, bytes of software prefetch in that stream (0: none). x rows have
-// stride ldx; y rows stride ldy (>= M; the features past M are not stored).
-template <int NR, int NP, typename W>
-inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float* x, int64_t ldx, float* y,
-                  int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
-  vec acc[NR][NP];
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < NP; ++j) acc[r][j] = vzero();
-  const float* xr[NR];
-  for (int r = 0; r < NR; ++r) xr[r] = x + (r0 + r) * ldx;
-  for (int64_t k = 0; k < L.K; ++k, w += NP * kLanes) {
-    if (ahead)
-      for (int64_t off = 0; off < NP * kLanes * static_cast<int64_t>(sizeof(W)); off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
-    vec wv[NP];
-    for (int j = 0; j < NP; ++j) wv[j] = vloadw(w + j * kLanes);
-    for (int r = 0; r < NR; ++r) {
-      const vec xv = vset1(xr[r][k]);
-      for (int j = 0; j < NP; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
-    }
-  }
+// The epilogue of one register block: y rows [r0, r0 + NR) x panels [p0, p0 + NP) from the
+// accumulated x W^T, plus the bias, then ``ep``.
+template <int NR, int NP>
+inline void finish(vec (&acc)[NR][NP], const PackedLinear& L, float* y, int64_t ldy, int64_t r0, int64_t p0,
+                   Epilogue ep) {
   for (int j = 0; j < NP; ++j) {
     const int64_t col = (p0 + j) * kLanes;
     const int64_t valid = std::min<int64_t>(kLanes, L.M - col);
@@ -201,6 +184,72 @@ inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float*
   }
 }
 
+// One register block: rows [r0, r0 + NR) x panels [p0, p0 + NP) of y = x W^T + b, then the
+// epilogue. w is the panel group's weights, (K, NP, kLanes) k-major, as float16 bits (widened in
+// registers) or float32; ahead, bytes of software prefetch in that stream (0: none). x rows have
+// stride ldx; y rows stride ldy (>= M; the features past M are not stored).
+template <int NR, int NP, typename W>
+inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float* x, int64_t ldx, float* y,
+                  int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
+  vec acc[NR][NP];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = vzero();
+  const float* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x + (r0 + r) * ldx;
+  for (int64_t k = 0; k < L.K; ++k, w += NP * kLanes) {
+    if (ahead)
+      for (int64_t off = 0; off < NP * kLanes * static_cast<int64_t>(sizeof(W)); off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
+    vec wv[NP];
+    for (int j = 0; j < NP; ++j) wv[j] = vloadw(w + j * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const vec xv = vset1(xr[r][k]);
+      for (int j = 0; j < NP; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
+    }
+  }
+  finish<NR, NP>(acc, L, y, ldy, r0, p0, ep);
+}
+
+#if defined(__AVX512F__)
+// The same block over float16 weights in 256-bit halves: each 16-lane panel is widened and
+// accumulated as two 8-lane vectors (VCVTPH2PS ymm, FMA ymm), joined for the epilogue. Every lane
+// is the same FMA chain over k, so the bits are those of ``block``. Where the 512-bit widening is
+// the bottleneck (Zen 4 issues VCVTPH2PS zmm at half the rate of two ymm ones: one row streamed
+// fp16 weights at 95 GB/s a core in ymm against 56 in zmm) it is faster for the few rows whose
+// FMAs do not hide the widening; ``narrow_rows`` measures where.
+template <int NR, int NP>
+inline void block_narrow(const uint16_t* w, int64_t ahead, const PackedLinear& L, const float* x, int64_t ldx,
+                         float* y, int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
+  __m256 acc[NR][2 * NP];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 2 * NP; ++j) acc[r][j] = _mm256_setzero_ps();
+  const float* xr[NR];
+  for (int r = 0; r < NR; ++r) xr[r] = x + (r0 + r) * ldx;
+  for (int64_t k = 0; k < L.K; ++k, w += NP * kLanes) {
+    if (ahead)
+      for (int64_t off = 0; off < NP * kLanes * 2; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
+    __m256 wv[2 * NP];
+    for (int j = 0; j < 2 * NP; ++j) wv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 8)));
+    for (int r = 0; r < NR; ++r) {
+      const __m256 xv = _mm256_set1_ps(xr[r][k]);
+      for (int j = 0; j < 2 * NP; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+    }
+  }
+  vec joined[NR][NP];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NP; ++j)
+      joined[r][j] = _mm512_insertf32x8(_mm512_castps256_ps512(acc[r][2 * j]), acc[r][2 * j + 1], 1);
+  finish<NR, NP>(joined, L, y, ldy, r0, p0, ep);
+}
+#endif
+
+// The most rows a float16 register block computes in 256-bit halves (block_narrow): 0-2, chosen
+// once per process by timing both forms on a panel group the L1 cache holds, or set by
+// ``set_narrow_rows``. The two give the same bits, so the choice changes speed only.
+std::atomic<int> g_narrow_rows{-1};
+int narrow_rows();
+
 template <int NR, typename W>
 inline void block_np(int np, const W* w, int64_t ahead, const PackedLinear& L, const float* x,
                      int64_t ldx, float* y, int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
@@ -218,6 +267,22 @@ template <typename W>
 void block_rows(int rows, int np, const W* w, int64_t ahead, const PackedLinear& L, const float* x,
                 int64_t ldx, float* y, int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
   static_assert(kMaxRows == 6, "block_rows dispatches 1..6 rows");
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<W, uint16_t>) {
+    if (rows <= 2 && rows <= narrow_rows()) {
+      switch (np * 2 + rows) {
+        case 9: block_narrow<1, 4>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); return;
+        case 10: block_narrow<2, 4>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); return;
+        case 7: block_narrow<1, 3>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); return;
+        case 8: block_narrow<2, 3>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); return;
+        case 5: block_narrow<1, 2>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); return;
+        case 6: block_narrow<2, 2>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); return;
+        case 3: block_narrow<1, 1>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); return;
+        default: block_narrow<2, 1>(w, ahead, L, x, ldx, y, ldy, r0, p0, ep); return;
+      }
+    }
+  }
+#endif
   switch (rows) {
     case 6: block_np<6>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
     case 5: block_np<5>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep); break;
@@ -254,6 +319,78 @@ void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, i
                  Epilogue ep, int tid, int nt) {
   const int64_t groups = (L.panels + kPanels - 1) / kPanels;
   linear_groups(L, x, ldx, y, ldy, R, ep, groups * tid / nt, groups * (tid + 1) / nt);
+}
+
+// Times one block form: the fastest of 32 timings of 8 calls each over the probe's panel group.
+template <class F>
+double fastest(F&& f) {
+  double best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < 32; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int j = 0; j < 8; ++j) f();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+// narrow_rows' measurement: one and two rows of a float16 panel group of K = 128 (16 KB, held by
+// L1), in 512-bit and in 256-bit form, alternately three times each. A form must be 5% faster to
+// be chosen, and two rows only in 256-bit halves when one row is. About a millisecond.
+int probe_narrow_rows() {
+#if defined(__AVX512F__)
+  PackedLinear L;
+  L.K = 128;
+  L.panels = kPanels;
+  L.M = L.panels * kLanes;
+  L.half = true;
+  L.wh.resize(L.panels * L.K * kLanes);
+  for (size_t i = 0; i < L.wh.size(); ++i) L.wh[i] = c10::Half(static_cast<float>(i % 97) * 0.01f - 0.5f).x;
+  std::vector<float> x(2 * L.K), y(2 * L.M);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 13) * 0.1f;
+  int chosen = 0;
+  for (int rows = 1; rows <= 2; ++rows) {
+    double wide = std::numeric_limits<double>::infinity(), narrow = wide;
+    for (int trial = 0; trial < 3; ++trial) {
+      if (rows == 1) {
+        wide = std::min(wide, fastest([&] { block<1, kPanels>(L.wh.data(), 0, L, x.data(), L.K, y.data(), L.M, 0, 0, Epilogue::kStore); }));
+        narrow = std::min(narrow, fastest([&] { block_narrow<1, kPanels>(L.wh.data(), 0, L, x.data(), L.K, y.data(), L.M, 0, 0, Epilogue::kStore); }));
+      } else {
+        wide = std::min(wide, fastest([&] { block<2, kPanels>(L.wh.data(), 0, L, x.data(), L.K, y.data(), L.M, 0, 0, Epilogue::kStore); }));
+        narrow = std::min(narrow, fastest([&] { block_narrow<2, kPanels>(L.wh.data(), 0, L, x.data(), L.K, y.data(), L.M, 0, 0, Epilogue::kStore); }));
+      }
+    }
+    if (!(narrow < 0.95 * wide)) break;
+    chosen = rows;
+  }
+  return chosen;
+#else
+  return 0;  // 256-bit vectors already
+#endif
+}
+
+// The probed choice, measured once per process (thread-safe static).
+int probed_narrow_rows() {
+  static const int probed = probe_narrow_rows();
+  return probed;
+}
+
+int narrow_rows() {
+  const int n = g_narrow_rows.load(std::memory_order_relaxed);
+  if (n >= 0) return n;
+  const int probed = probed_narrow_rows();
+  g_narrow_rows.store(probed, std::memory_order_relaxed);
+  return probed;
+}
+
+// Pins the choice (0-2 rows; 0: every block 512-bit wide), or with -1 returns to the probed one.
+// For the tests and benches that compare the two forms: results are the same bits either way.
+int set_narrow_rows(int n) {
+  SE_CHECK(n >= -1 && n <= 2, "narrow_rows must be -1 (probe) or 0-2, got ", n);
+#if !defined(__AVX512F__)
+  if (n > 0) n = 0;  // no wider form to leave
+#endif
+  g_narrow_rows.store(n < 0 ? probed_narrow_rows() : n, std::memory_order_relaxed);
+  return g_narrow_rows.load(std::memory_order_relaxed);
 }
 
 // The threads a forward pass (and the microbenchmarks of its kernels) runs on: torch's, at most 64.
@@ -514,6 +651,7 @@ class NativeGPT2 {
     lnfw_ = to_vec(lnf_w, C_, "ln_f.weight");
     lnfb_ = to_vec(lnf_b, C_, "ln_f.bias");
     head_ = pack_linear(wte_, c10::nullopt, "wte (LM head)");
+    narrow_rows();  // the block form's probe, if this process has not run it, outside any pass
     // Weights that outgrow the threads' L2 caches stream from L3 or DRAM on every pass, further
     // ahead than the hardware prefetchers reach in a short run of one panel group: prefetch
     // 4 KB ahead (measured on the demo oracle, 17 MB: 0.90-0.95x the pass time without). Weights
@@ -897,6 +1035,11 @@ void register_native_forward(py::module& m) {
         "seconds of each of `repeats` reads of an `nbytes` float32 buffer split over the threads: the read "
         "bandwidth a weight stream of that size reaches here", py::arg("nbytes"), py::arg("repeats"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("narrow_rows", &narrow_rows,
+        "the most rows a float16 register block computes in 256-bit halves (0-2; probed once per process): "
+        "the same bits as 512-bit blocks, faster where 512-bit widening is slow");
+  m.def("set_narrow_rows", &set_narrow_rows,
+        "pin narrow_rows to 0-2, or -1 for the probed choice; returns the value in force", py::arg("n"));
   m.def("linear_seconds", &linear_seconds,
         "seconds of each call of the native linear kernel alone over `rows` rows of a (out, in) float32 weight, "
         "packed as the decoder packs it: (seconds, packed as float16, packed bytes)",

@@ -158,13 +158,25 @@ def test_each_thread_split_gives_the_single_threads_bits(head64, threads):
         torch.set_num_threads(saved)
 
 
+@pytest.fixture(params=[0, 1, 2], ids=lambda n: f"narrow{n}")
+def narrow(request):
+    """Pins how many rows a float16 register block computes in 256-bit halves (``block_narrow``,
+    AVX-512 builds; the probe's choice otherwise), and restores the probe's choice afterwards."""
+    try:
+        yield _cpu.set_narrow_rows(request.param)
+    finally:
+        _cpu.set_narrow_rows(-1)
+
+
 @pytest.mark.parametrize("weights", ["fp16-exact", "fp32"])
 @pytest.mark.parametrize("name", ["odd96", "head64"])
-def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, name, weights):
+def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, name, weights, narrow):
     """Chains of 2-40 rows cover every row-block split (one block of up to 6 rows, uneven blocks
     such as 3 + 4, many blocks) over fp16 weights widened in registers and over fp32 weights:
     each row's logits and K/V are the bits of one-token decoding on 2 threads, and within 1e-5
-    of stock torch."""
+    of stock torch. With one or two rows in 256-bit halves (``narrow``), the one-token pass and
+    the two-row chain take the narrow blocks and the longer chains the 512-bit ones, so their
+    bits must agree across the two forms."""
     model = load_model(head64 if name == "head64" else checkpoints[name])
     if weights == "fp16-exact":
         with torch.no_grad():
@@ -281,6 +293,23 @@ def test_fp16_exact_weights_are_streamed_as_fp16(checkpoints):
     with torch.no_grad():
         model.wte.weight[0, 0] += 1e-6  # below the fp16 spacing there: not representable
     assert not TorchBackend(native=True).native_model(model).half
+
+
+def test_the_block_form_is_probed_once_and_can_be_pinned():
+    """``narrow_rows`` is the probe's choice (0-2; 0 on 256-bit builds, which have no wider
+    form); ``set_narrow_rows`` pins 0-2, returns to the probe with -1, and refuses the rest."""
+    probed = _cpu.narrow_rows()
+    assert probed in (0, 1, 2)
+    avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
+    try:
+        assert _cpu.set_narrow_rows(2) == (2 if avx512 else 0)
+        assert _cpu.narrow_rows() == (2 if avx512 else 0)
+        assert _cpu.set_narrow_rows(0) == 0
+        for bad in (3, -2):
+            with pytest.raises(ValueError, match="narrow_rows must be -1"):
+                _cpu.set_narrow_rows(bad)
+    finally:
+        assert _cpu.set_narrow_rows(-1) == probed
 
 
 @pytest.mark.parametrize("out,inp", [(17, 5), (200, 96)])
