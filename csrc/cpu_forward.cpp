@@ -216,9 +216,11 @@ inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float*
 // is the same FMA chain over k, so the bits are those of ``block``. Where the 512-bit widening is
 // the bottleneck (Zen 4 issues VCVTPH2PS zmm at half the rate of two ymm ones: one row streamed
 // fp16 weights at 95 GB/s a core in ymm against 56 in zmm) it is faster for the few rows whose
-// FMAs do not hide the widening; ``narrow_rows`` measures where.
+// FMAs do not hide the widening; ``narrow_rows`` measures where. No software prefetch: at this
+// rate the hardware prefetchers keep up, and the prefetch instructions cost more than they saved
+// (demo oracle, one row: 0.19-0.21 ms a pass without, 0.21-0.24 with 4 KB ahead, alternating).
 template <int NR, int NP>
-inline void block_narrow(const uint16_t* w, int64_t ahead, const PackedLinear& L, const float* x, int64_t ldx,
+inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinear& L, const float* x, int64_t ldx,
                          float* y, int64_t ldy, int64_t r0, int64_t p0, Epilogue ep) {
   __m256 acc[NR][2 * NP];
   for (int r = 0; r < NR; ++r)
@@ -226,9 +228,6 @@ inline void block_narrow(const uint16_t* w, int64_t ahead, const PackedLinear& L
   const float* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x + (r0 + r) * ldx;
   for (int64_t k = 0; k < L.K; ++k, w += NP * kLanes) {
-    if (ahead)
-      for (int64_t off = 0; off < NP * kLanes * 2; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
     __m256 wv[2 * NP];
     for (int j = 0; j < 2 * NP; ++j) wv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 8)));
     for (int r = 0; r < NR; ++r) {
