@@ -5,7 +5,7 @@ N new nodes (N in ``NODES``, 1-64) at two context lengths, and interpolates betw
 measured at first use in well under 2 seconds (``measure``) and cached as JSON under
 ``$STAGED_ENGINE_CACHE/profiles/``, keyed by everything that changes the figures: the model's
 shape, dtype and a fingerprint of its weights, the backend, the CPU model and vector
-extensions, the thread count and the library versions. A file that does not parse, carries
+extensions, the thread count, the library versions and the native kernels' build. A file that does not parse, carries
 another key or holds a non-finite or non-positive figure is measured afresh, never trusted.
 
 The planner (``spec.planner``) reads these tables; a running ratio of measured to predicted
@@ -14,6 +14,7 @@ model, a busy neighbour), so the profile sets the shape of the curve and the run
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -74,10 +75,34 @@ def _version() -> str:
         return "unknown"
 
 
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def native_build() -> dict:
+    """The native kernels the figures were measured with: a digest of the built extension (a
+    rebuild with other kernels changes the speed the package version does not show) and the
+    register-block form its probe chose (``_cpu.narrow_rows``). Empty where it is not built."""
+    from staged_engine.model.backend import _cpu
+
+    if _cpu is None or not getattr(_cpu, "__file__", None):
+        return {}
+    build = {"native_build": _file_digest(_cpu.__file__)}
+    if hasattr(_cpu, "narrow_rows"):
+        build["narrow_rows"] = _cpu.narrow_rows()
+    return build
+
+
 def profile_key(model, backend) -> dict:
     """Everything the figures depend on; a cached profile is used only when all of it matches."""
+    native = bool(getattr(backend, "native", False))
     return {"schema": SCHEMA, "model": model_fingerprint(model), "backend": backend.name,
-            "native": bool(getattr(backend, "native", False)), **cpu_identity(),
+            "native": native, **(native_build() if native else {}), **cpu_identity(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "staged_engine": _version(),
             "python": platform.python_version()}
 

@@ -341,6 +341,29 @@ def test_profile_is_measured_once_then_reused_and_a_bad_file_is_measured_again(p
             assert CostProfile.from_json(json.load(f), profile_key(eng.oracle, eng.backend)).seconds
 
 
+def test_the_profile_key_names_the_native_build_and_its_block_form(pair):
+    """A rebuilt extension (other kernels, same package version) or another register-block form
+    changes a model's speed: both are in the key, so neither reuses the other's profile."""
+    import hashlib
+
+    from staged_engine.model.backend import TorchBackend, _cpu
+
+    if _cpu is None:
+        pytest.skip("the _cpu extension is not built")
+    eng = Engine.from_pretrained(pair[0], draft=pair[1])
+    key = profile_key(eng.oracle, TorchBackend(native=True))
+    with open(_cpu.__file__, "rb") as f:
+        assert key["native_build"] == hashlib.sha256(f.read()).hexdigest()[:16]
+    assert key["narrow_rows"] == _cpu.narrow_rows()
+    assert "native_build" not in profile_key(eng.oracle, TorchBackend(native=False))
+    if "avx512f" in open("/proc/cpuinfo").read().split():
+        try:
+            _cpu.set_narrow_rows(2 if _cpu.narrow_rows() != 2 else 0)
+            assert profile_key(eng.oracle, TorchBackend(native=True)) != key
+        finally:
+            _cpu.set_narrow_rows(-1)
+
+
 def test_stints_state_round_trips_and_a_restored_stints_plays_its_best_arm():
     st = Stints()
     for i in range(3000):  # fixed_2 (arm 3) is 1.3x plain, the rest slower
