@@ -38,6 +38,9 @@ def machine() -> dict:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+    from staged_engine.spec.cost import native_build  # the kernels timed: build digest and block form
+
+    info.update(native_build())
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                             text=True, cwd=os.path.dirname(__file__)).stdout.strip()

@@ -95,3 +95,17 @@ def test_the_bench_command_finds_every_script_of_the_checkout():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage" in out.stdout.lower()
+
+
+def test_every_result_names_the_native_kernels_it_timed():
+    """A result records the CPU and its vector extensions, and with the extension built the
+    digest of the kernels' build and the block form its probe chose (results differ by both)."""
+    from staged_engine.model.backend import _cpu
+
+    info = _bench_module("common").machine()
+    assert info["cpu"] and isinstance(info["vector_extensions"], list)
+    if _cpu is None:
+        assert "native_build" not in info
+        return
+    assert info["narrow_rows"] == _cpu.narrow_rows()
+    assert len(info["native_build"]) == 16 and int(info["native_build"], 16) >= 0
