@@ -212,12 +212,9 @@ std::vector<int64_t> top_ids(const std::vector<float>& z, int64_t k) {
   if (k <= 64) {
     std::pair<float, int64_t> heap[64];
     int64_t filled = 0;
-    // a ranks after b: the heap's order, its root the entry every other ranks before
-    auto after = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-      return ranks_before(b.first, b.second, a.first, a.second);
-    };
-    auto worse_first = [&](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-      return after(b, a);  // std heap: the root is the largest under this order, the worst entry
+    // a ranks before b. Under this order a std heap's root is its largest entry: the worst kept.
+    auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+      return ranks_before(a.first, a.second, b.first, b.second);
     };
     float thresh = kNegInf;
     auto offer = [&](int64_t j) {
@@ -225,13 +222,13 @@ std::vector<int64_t> top_ids(const std::vector<float>& z, int64_t k) {
       if (filled == k) {
         // j is larger than every id inside, so an equal value ranks after them all
         if (!(x > thresh)) return;
-        std::pop_heap(heap, heap + k, worse_first);
+        std::pop_heap(heap, heap + k, better);
         heap[k - 1] = {x, j};
-        std::push_heap(heap, heap + k, worse_first);
+        std::push_heap(heap, heap + k, better);
       } else {
         if (x != x) return;  // NaN never enters (a sorted insertion skipped it the same way)
         heap[filled++] = {x, j};
-        std::push_heap(heap, heap + filled, worse_first);
+        std::push_heap(heap, heap + filled, better);
       }
       if (filled == k) thresh = heap[0].first;
     };
@@ -245,7 +242,7 @@ std::vector<int64_t> top_ids(const std::vector<float>& z, int64_t k) {
       for (uint32_t m = vmask_gt(vload(z.data() + j), thresh); m; m &= m - 1) offer(j + __builtin_ctz(m));
     }
     for (; j < V; ++j) offer(j);
-    std::sort(heap, heap + filled, [&](const auto& a, const auto& b) { return after(b, a); });
+    std::sort(heap, heap + filled, better);  // best first
     std::vector<int64_t> ids(filled);
     for (int64_t i = 0; i < filled; ++i) ids[i] = heap[i].second;
     return ids;

@@ -51,7 +51,7 @@ from staged_engine.beam.core import (
     TorchRandom,
     distinct,
 )
-from staged_engine.model.backend import NATIVE_MAX_ROWS, Backend
+from staged_engine.model.backend import Backend
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.kv_cache import KVCache
 from staged_engine.model.runner import ModelRunner
@@ -119,9 +119,9 @@ class RowCache:
         self.runner.reset()
         self.runner.cache.set_committed(1, 0)
         view = self.view(1)
-        # One row: on the native path in pieces it takes whole, as ModelRunner.prefill does (the
-        # stock GEMMs over 512 rows took 1.24x as long over the demo oracle's held-out prompts).
-        chunk = NATIVE_MAX_ROWS if getattr(self.runner.backend, "native", False) else PREFILL_CHUNK
+        # One row, in the pieces ModelRunner.prefill takes (on the native path the stock GEMMs
+        # over 512 rows took 1.24x as long over the demo oracle's held-out prompts).
+        chunk = self.runner.prefill_chunk(PREFILL_CHUNK)
         for i in range(0, len(prefix), chunk):
             part = prefix[i:i + chunk]
             ids = torch.tensor([part], dtype=torch.int64, device=self.runner.device)
