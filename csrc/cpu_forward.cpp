@@ -492,53 +492,60 @@ inline void score4(const float* qi, const float* const* kr, int64_t D, float sc,
   for (int64_t u = 0; u < cnt; ++u) dst[u] = four[u];
 }
 
-template <int C>
-void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, int64_t ks, int64_t D) {
+// Values for queries q0 .. q0 + QN - 1 (QN = 1 or 2: their accumulators fit the registers; a
+// count known at compile time keeps them there, where a run-time count left them on the stack).
+template <int C, int QN>
+void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_t ks, int64_t D) {
   const int64_t tail = D - (C - 1) * kLanes;
   auto vrow = [&](const float* v, int c) {
     return (c < C - 1 || tail == kLanes) ? vload(v + c * kLanes) : vload_tail(v + c * kLanes, tail);
   };
   const int64_t shared = common - common % 2;
-  for (int64_t q0 = 0; q0 < nq; q0 += 2) {  // two queries' accumulators fit the registers
-    const int64_t cnt = std::min<int64_t>(2, nq - q0);
-    vec even[2][C], odd[2][C];
-    for (int64_t u = 0; u < 2; ++u)
-      for (int c = 0; c < C; ++c) even[u][c] = odd[u][c] = vzero();
-    for (int64_t s = 0; s < shared; s += 2) {
-      const float* v0 = vbase + s * ks;
-      const float* v1 = v0 + ks;
-      for (int c = 0; c < C; ++c) {
-        const vec a = vrow(v0, c), b = vrow(v1, c);
-        for (int64_t u = 0; u < cnt; ++u) {
-          even[u][c] = vfma(vset1(qs[q0 + u].p[s]), a, even[u][c]);
-          odd[u][c] = vfma(vset1(qs[q0 + u].p[s + 1]), b, odd[u][c]);
-        }
-      }
-    }
-    for (int64_t u = 0; u < cnt; ++u) {
-      HeadQuery& hq = qs[q0 + u];
-      int64_t s = shared;
-      for (; s + 1 < hq.n; s += 2) {
-        const float* v0 = vbase + hq.slot(s) * ks;
-        const float* v1 = vbase + hq.slot(s + 1) * ks;
-        for (int c = 0; c < C; ++c) {
-          even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
-          odd[u][c] = vfma(vset1(hq.p[s + 1]), vrow(v1, c), odd[u][c]);
-        }
-      }
-      if (s < hq.n) {
-        const float* v0 = vbase + hq.slot(s) * ks;
-        for (int c = 0; c < C; ++c) even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
-      }
-      float den = 0.f;  // the softmax normaliser was left in p[n] by head_attention
-      std::memcpy(&den, hq.p + hq.n, sizeof(float));
-      const vec vinv = vset1(den);
-      for (int c = 0; c < C; ++c) {
-        const vec r = vmul(vadd(even[u][c], odd[u][c]), vinv);
-        if (c < C - 1 || tail == kLanes) vstore(hq.out + c * kLanes, r); else vstore_tail(hq.out + c * kLanes, r, tail);
+  vec even[QN][C], odd[QN][C];
+  for (int u = 0; u < QN; ++u)
+    for (int c = 0; c < C; ++c) even[u][c] = odd[u][c] = vzero();
+  for (int64_t s = 0; s < shared; s += 2) {
+    const float* v0 = vbase + s * ks;
+    const float* v1 = v0 + ks;
+    for (int c = 0; c < C; ++c) {
+      const vec a = vrow(v0, c), b = vrow(v1, c);
+      for (int u = 0; u < QN; ++u) {
+        even[u][c] = vfma(vset1(qs[u].p[s]), a, even[u][c]);
+        odd[u][c] = vfma(vset1(qs[u].p[s + 1]), b, odd[u][c]);
       }
     }
   }
+  for (int u = 0; u < QN; ++u) {
+    HeadQuery& hq = qs[u];
+    int64_t s = shared;
+    for (; s + 1 < hq.n; s += 2) {
+      const float* v0 = vbase + hq.slot(s) * ks;
+      const float* v1 = vbase + hq.slot(s + 1) * ks;
+      for (int c = 0; c < C; ++c) {
+        even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
+        odd[u][c] = vfma(vset1(hq.p[s + 1]), vrow(v1, c), odd[u][c]);
+      }
+    }
+    if (s < hq.n) {
+      const float* v0 = vbase + hq.slot(s) * ks;
+      for (int c = 0; c < C; ++c) even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
+    }
+    float den = 0.f;  // the softmax normaliser was left in p[n] by head_attention
+    std::memcpy(&den, hq.p + hq.n, sizeof(float));
+    const vec vinv = vset1(den);
+    for (int c = 0; c < C; ++c) {
+      const vec r = vmul(vadd(even[u][c], odd[u][c]), vinv);
+      if (c < C - 1 || tail == kLanes) vstore(hq.out + c * kLanes, r); else vstore_tail(hq.out + c * kLanes, r, tail);
+    }
+  }
+}
+
+// Values of every query, two at a time: each V row of the shared part is loaded once per pair.
+template <int C>
+void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, int64_t ks, int64_t D) {
+  int64_t q = 0;
+  for (; q + 2 <= nq; q += 2) head_values_group<C, 2>(qs + q, common, vbase, ks, D);
+  if (q < nq) head_values_group<C, 1>(qs + q, common, vbase, ks, D);
 }
 
 // Scores, softmax and values for the queries of one (row, head); D <= 4 * kLanes uses the grouped
