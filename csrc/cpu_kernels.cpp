@@ -67,8 +67,8 @@ std::vector<torch::Tensor> top_children(const torch::Tensor& scores, int64_t k) 
         vm = vmax(vm, x);
         if (filled < k) {
           for (int64_t u = 0; u < kLanes; ++u) offer(j + u);
-        } else if (vmax_all(x) > thresh) {
-          for (int64_t u = 0; u < kLanes; ++u) offer(j + u);
+        } else {  // full: only lanes above the threshold can enter, in id order
+          for (uint32_t m = vmask_gt(x, thresh); m; m &= m - 1) offer(j + __builtin_ctz(m));
         }
       }
       float mx = vmax_all(vm);

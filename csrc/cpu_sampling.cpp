@@ -336,13 +336,16 @@ int64_t next_ranked(const std::vector<float>& sc, int64_t V, int64_t prev) {
 }
 
 int64_t choose_row(const float* row, int64_t V, uint32_t key, const Rule& rule, std::vector<float>& z) {
-  if (rule.greedy()) {  // the largest value in one vector pass, then its first index
+  if (rule.greedy()) {  // the largest value in one vector pass, then its first index in another
     vec m = vset1(kNegInf);
     int64_t j = 0;
     for (; j + kLanes <= V; j += kLanes) m = vmax(m, vload(row + j));
     float mx = vmax_all(m);
     for (; j < V; ++j) mx = std::max(mx, row[j]);
-    for (int64_t i = 0; i < V; ++i)
+    int64_t i = 0;
+    for (; i + kLanes <= V; i += kLanes)
+      if (const uint32_t eq = vmask_eq(vload(row + i), mx)) return i + __builtin_ctz(eq);
+    for (; i < V; ++i)
       if (row[i] == mx) return i;
     int64_t best = 0;  // NaN rows: the scalar rule
     for (int64_t i = 1; i < V; ++i)

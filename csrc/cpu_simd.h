@@ -31,6 +31,8 @@ inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline float vmax_all(vec a) { return _mm512_reduce_max_ps(a); }
 // Bit l set where lane l of a is > t (false for NaN).
 inline uint32_t vmask_gt(vec a, float t) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(t), _CMP_GT_OQ); }
+// Bit l set where lane l of a equals t (false for NaN).
+inline uint32_t vmask_eq(vec a, float t) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(t), _CMP_EQ_OQ); }
 inline vec vfloor(vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
 inline vec vexp2i(vec y, vec n) { return _mm512_scalef_ps(y, n); }  // y * 2^n
 // The lane sums of four vectors, as 4 floats; each sum uses one fixed tree of its own lanes.
@@ -79,6 +81,9 @@ inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
 inline uint32_t vmask_gt(vec a, float t) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(t), _CMP_GT_OQ)));
+}
+inline uint32_t vmask_eq(vec a, float t) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(t), _CMP_EQ_OQ)));
 }
 inline float vmax_all(vec a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
