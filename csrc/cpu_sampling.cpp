@@ -195,8 +195,8 @@ int64_t perturbed_scores(const std::vector<float>& z, int64_t V, float lse, uint
   }
   for (int64_t j = V; j < padded; ++j) s[j] = kNegInf;
   const float mx = vmax_all(best);
-  for (int64_t j = 0; j < V; ++j)
-    if (s[j] == mx) return j;
+  for (int64_t j = 0; j < padded; j += kLanes)  // the padding is -inf: only a row of -inf finds it
+    if (const uint32_t eq = vmask_eq(vload(s.data() + j), mx)) return std::min<int64_t>(j + __builtin_ctz(eq), V - 1);
   return 0;  // every score NaN
 }
 
