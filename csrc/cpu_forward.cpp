@@ -91,12 +91,22 @@ struct PackedLinear {
   bool half = false;
   // Panels come in groups of kPanels (the last group may hold fewer, np), each group stored
   // k-major and interleaved, (K, np, kLanes), so a register block streams one sequential run.
+  // The groups lie one after another in wh / wf, or, once a model has laid its products out in
+  // the order its threads read them (NativeGPT2::lay_out), wherever ``at`` says in its buffer.
   aligned_vector<uint16_t> wh;  // float16 bits
   aligned_vector<float> wf;     // float32
+  const uint16_t* wh_base = nullptr;  // the laid-out buffer, or null: wh / wf
+  const float* wf_base = nullptr;
+  std::vector<int64_t> at;      // per group: its first element in that buffer
   std::vector<float> bias;   // (panels * kLanes), zero-padded; empty when there is none
   int64_t ahead = 0;         // bytes of software prefetch ahead of the weight stream; 0: none
 
-  size_t bytes() const { return half ? wh.size() * 2 : wf.size() * 4; }
+  int64_t groups() const { return (panels + kPanels - 1) / kPanels; }
+  int64_t group_elems(int64_t g) const { return std::min<int64_t>(kPanels, panels - g * kPanels) * K * kLanes; }
+  int64_t offset(int64_t g) const { return at.empty() ? g * kPanels * K * kLanes : at[static_cast<size_t>(g)]; }
+  const uint16_t* group_h(int64_t g) const { return (wh_base ? wh_base : wh.data()) + offset(g); }
+  const float* group_f(int64_t g) const { return (wf_base ? wf_base : wf.data()) + offset(g); }
+  size_t bytes() const { return static_cast<size_t>(panels * K * kLanes) * (half ? 2 : 4); }
 };
 
 PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::Tensor>& b_in, const char* name) {
@@ -314,21 +324,25 @@ void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y,
   for (int64_t g = g0; g < g1; ++g) {
     const int64_t p0 = g * kPanels;
     const int np = static_cast<int>(std::min<int64_t>(kPanels, L.panels - p0));
-    const int64_t base = p0 * L.K * kLanes;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t r0 = R * b / blocks;
       const int rows = static_cast<int>(R * (b + 1) / blocks - r0);
-      if (L.half) block_rows(rows, narrow, np, L.wh.data() + base, L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
-      else block_rows(rows, narrow, np, L.wf.data() + base, L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
+      if (L.half) block_rows(rows, narrow, np, L.group_h(g), L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
+      else block_rows(rows, narrow, np, L.group_f(g), L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
     }
   }
+}
+
+// Thread tid's share of a product's panel groups: [first, second).
+std::pair<int64_t, int64_t> thread_groups(const PackedLinear& L, int tid, int nt) {
+  return {L.groups() * tid / nt, L.groups() * (tid + 1) / nt};
 }
 
 // This thread's share of y: a contiguous range of panel groups, every row. Ends without a barrier.
 void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
                  Epilogue ep, int tid, int nt) {
-  const int64_t groups = (L.panels + kPanels - 1) / kPanels;
-  linear_groups(L, x, ldx, y, ldy, R, ep, groups * tid / nt, groups * (tid + 1) / nt);
+  const auto [g0, g1] = thread_groups(L, tid, nt);
+  linear_groups(L, x, ldx, y, ldy, R, ep, g0, g1);
 }
 
 // Times one block form: the fastest of 32 timings of 8 calls each over the probe's panel group.
@@ -664,6 +678,7 @@ class NativeGPT2 {
     lnfw_ = to_vec(lnf_w, C_, "ln_f.weight");
     lnfb_ = to_vec(lnf_b, C_, "ln_f.bias");
     head_ = pack_linear(wte_, c10::nullopt, "wte (LM head)");
+    lay_out(forward_threads());
     narrow_rows();  // the block form's probe, if this process has not run it, outside any pass
     // Weights that outgrow the threads' L2 caches stream from L3 or DRAM on every pass, further
     // ahead than the hardware prefetchers reach in a short run of one panel group: prefetch
@@ -707,6 +722,88 @@ class NativeGPT2 {
   }
 
  private:
+  // Whether each head's q, k and v columns are whole panel groups of c_attn and the heads divide
+  // evenly between ``nth`` threads: then heads go to threads round robin, and a thread computes
+  // its own heads' q/k/v, writes their K/V and attends, with no barrier in between.
+  bool heads_own(int nth) const {
+    const int64_t group = static_cast<int64_t>(kPanels) * kLanes;
+    return D_ % group == 0 && C_ % group == 0 && n_head_ % nth == 0;
+  }
+
+  // The panel groups of c_attn holding part (0 q, 1 k, 2 v) of head hh, when heads_own.
+  std::pair<int64_t, int64_t> head_groups(int64_t hh, int64_t part) const {
+    const int64_t group = static_cast<int64_t>(kPanels) * kLanes;
+    const int64_t g0 = (part * C_ + hh * D_) / group;
+    return {g0, g0 + D_ / group};
+  }
+
+  // Lays every product's panel groups out in one buffer (one per weight type) in the order
+  // ``nt`` threads read them in a pass: thread 0's groups of layer 0's products, of layer 1's,
+  // .., of the LM head, then thread 1's, and so on. Each thread then streams one sequential run
+  // of memory through a pass, instead of a short run per product that starts where another
+  // thread's share ends: the hardware prefetchers carry on from one product into the next. (In
+  // a microbenchmark of one row over 16.8 MB of fp16 weights, two threads, 64 products a pass
+  // read at 119 GB/s laid out by product and at 150 GB/s laid out by thread.) The layout moves
+  // no value and changes no arithmetic; with another thread count a pass reads the same groups,
+  // only in shorter runs.
+  void lay_out(int nt) {
+    std::vector<std::pair<PackedLinear*, int64_t>> order;  // (product, group) in reading order
+    for (int t = 0; t < nt; ++t) {
+      auto share = [&](PackedLinear& L) {
+        const auto [g0, g1] = thread_groups(L, t, nt);
+        for (int64_t g = g0; g < g1; ++g) order.emplace_back(&L, g);
+      };
+      for (Block& b : blocks_) {
+        if (heads_own(nt)) {
+          for (int64_t hh = t; hh < n_head_; hh += nt)
+            for (int64_t part = 0; part < 3; ++part) {
+              const auto [g0, g1] = head_groups(hh, part);
+              for (int64_t g = g0; g < g1; ++g) order.emplace_back(&b.qkv, g);
+            }
+        } else {
+          share(b.qkv);
+        }
+        share(b.proj);
+        share(b.fc);
+        share(b.mproj);
+      }
+      share(head_);
+    }
+    int64_t nh = 0, nf = 0;
+    std::vector<PackedLinear*> all{&head_};
+    for (Block& b : blocks_) all.insert(all.end(), {&b.qkv, &b.proj, &b.fc, &b.mproj});
+    for (PackedLinear* L : all) {
+      L->at.assign(static_cast<size_t>(L->groups()), -1);
+      (L->half ? nh : nf) += static_cast<int64_t>(L->bytes()) / (L->half ? 2 : 4);
+    }
+    arena_h_.assign(static_cast<size_t>(nh), 0);
+    arena_f_.assign(static_cast<size_t>(nf), 0.f);
+    int64_t ph = 0, pf = 0;
+    auto place = [&](PackedLinear* L, int64_t g) {
+      if (L->at[static_cast<size_t>(g)] >= 0) return;
+      const int64_t n = L->group_elems(g), from = g * kPanels * L->K * kLanes;
+      if (L->half) {
+        std::copy(L->wh.begin() + from, L->wh.begin() + from + n, arena_h_.begin() + ph);
+        L->at[static_cast<size_t>(g)] = ph;
+        ph += n;
+      } else {
+        std::copy(L->wf.begin() + from, L->wf.begin() + from + n, arena_f_.begin() + pf);
+        L->at[static_cast<size_t>(g)] = pf;
+        pf += n;
+      }
+    };
+    for (const auto& [L, g] : order) place(L, g);
+    for (PackedLinear* L : all)  // any group no thread reads (none, with the rules above)
+      for (int64_t g = 0; g < L->groups(); ++g) place(L, g);
+    SE_CHECK(ph == nh && pf == nf, "internal: the weight layout lost groups");  // every group placed once
+    for (PackedLinear* L : all) {
+      L->wh_base = arena_h_.data();
+      L->wf_base = arena_f_.data();
+      aligned_vector<uint16_t>().swap(L->wh);
+      aligned_vector<float>().swap(L->wf);
+    }
+  }
+
   torch::Tensor run(const int64_t* tp, const int64_t* pp, int64_t B, int64_t N, torch::Tensor& k_all,
                     torch::Tensor& v_all, const std::vector<int64_t>& writes, const std::vector<int64_t>& starts,
                     int64_t M, const c10::optional<torch::Tensor>& mask_in, bool last_only, bool flat) {
@@ -759,10 +856,6 @@ class NativeGPT2 {
     float* lp = logits.data_ptr<float>();
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
     const int nt = forward_threads();
-    // Whether each head's q, k and v columns are whole panel groups of c_attn: then a thread
-    // computes its own heads' q/k/v, writes their K/V and attends, with no barrier in between.
-    const int64_t group = static_cast<int64_t>(kPanels) * kLanes;
-    const bool heads_own_groups = D % group == 0 && C % group == 0;
     SpinBarrier barrier;
 
 #pragma omp parallel num_threads(nt)
@@ -772,8 +865,7 @@ class NativeGPT2 {
       std::vector<std::vector<int64_t>> pend(N);  // per query: its visible pending slots
       std::vector<HeadQuery> hq(N);
       std::vector<float> p;
-      // Heads go to threads round robin; with whole-group heads only when they divide evenly.
-      const bool own = heads_own_groups && H % nth == 0;
+      const bool own = heads_own(nth);
       // The new tokens' K/V of (row b, head hh) to their cache slots, then its attention.
       auto attend = [&](int64_t l, int64_t b, int64_t hh) {
         const int64_t start = starts[b];
@@ -804,8 +896,8 @@ class NativeGPT2 {
         if (own) {
           for (int64_t hh = tid; hh < H; hh += nth) {
             for (int64_t part = 0; part < 3; ++part) {  // q, k, v columns of head hh
-              const int64_t g0 = (part * C + hh * D) / group;
-              linear_groups(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, g0, g0 + D / group);
+              const auto [g0, g1] = head_groups(hh, part);
+              linear_groups(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, g0, g1);
             }
             for (int64_t b = 0; b < B; ++b) attend(l, b, hh);
           }
@@ -840,6 +932,8 @@ class NativeGPT2 {
   std::vector<Block> blocks_;
   std::vector<float> lnfw_, lnfb_;
   PackedLinear head_;
+  aligned_vector<uint16_t> arena_h_;  // every product's float16 groups, in reading order (lay_out)
+  aligned_vector<float> arena_f_;     // and its float32 ones
 };
 
 // One round of a draft chain (fixed, or planned: below), drafted and verified without returning
