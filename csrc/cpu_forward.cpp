@@ -506,7 +506,7 @@ inline void score4(const float* qi, const float* const* kr, int64_t D, float sc,
   for (int64_t u = 0; u < cnt; ++u) dst[u] = four[u];
 }
 
-// Values for queries q0 .. q0 + QN - 1 (QN = 1 or 2: their accumulators fit the registers; a
+// Values of the queries qs[0 .. QN) (QN = 1 or 2: their accumulators fit the registers; a
 // count known at compile time keeps them there, where a run-time count left them on the stack).
 template <int C, int QN>
 void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_t ks, int64_t D) {
