@@ -282,7 +282,8 @@ class Stints:
         self.arm = self.plan.pop(0)
         self.stint = first_stint
         self.favoured: int | None = None  # the arm the last plan favoured
-        self.rounds_left = self.block_rounds = block  # left in the current block, and its length
+        # Left in the current block, and its length: the first is a drafting arm's first look.
+        self.rounds_left = self.block_rounds = self._block_rounds(self.arm)
         self.tokens = self.seconds = 0.0  # of the current block
         # Tokens per round each arm's blocks yield (a running mean), against which a favoured
         # drafting arm's block is read: what its tokens per round say of its rate, free of the

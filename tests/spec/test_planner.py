@@ -137,6 +137,22 @@ def test_an_arm_far_behind_is_checked_less_often():
         assert share == pytest.approx(check / (16 * stint + check + 16), rel=0.1), (speedup, share)
 
 
+def test_the_first_look_at_each_drafting_arm_is_a_quarter_block():
+    """A cold start looks at every drafting arm, each next to a block of plain steps, before any
+    is favoured: each look is a quarter block (4 rounds) and each plain block a whole one (16),
+    the first look too (it once ran a whole block: a DSBD arm at 0.45x beam sampling's rate cost
+    a first generation 16 slow rounds)."""
+    st = Stints(arms=4)
+    blocks = []  # (arm, rounds) of the blocks that make up the first comparisons
+    while len(blocks) < 6:
+        arm, rounds = st.arm, 0
+        while st.arm == arm and rounds < 64:
+            st.record(1, 1.0)
+            rounds += 1
+        blocks.append((arm, rounds))
+    assert blocks[:5] == [(1, 4), (0, 16), (2, 4), (0, 16), (3, 4)], blocks
+
+
 def _rounds_to_follow(far: float) -> tuple[int, int]:
     """An arm at 0.6x plain for 12,000 rounds, then 1.4x (the text became one the draft
     follows), no noise: (its rounds before the change, rounds from the change until it plays
@@ -620,6 +636,7 @@ def test_rounds_of_prompt_lookup_equal_plain(engine, kw):
         want = engine.generate(prompt, max_new_tokens=60, strategy="plain", **kw).token_ids
         memory = PlannerMemory(arms)
         memory.stints.arm, memory.stints.plan = lookup, [2] * 50  # a block of lookup, then fixed_1
+        memory.stints.rounds_left = memory.stints.block_rounds = 16  # a whole one
         drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["staged"])
         dec = SpeculativeDecoder(ModelRunner(engine.oracle, engine.backend), sampling, drafter, "staged",
                                  lambda: RoundPlanner(*costs, memory))
@@ -695,6 +712,7 @@ def test_the_drafts_catch_up_is_spread_over_the_tokens_left(engine, monkeypatch)
     sampling = SamplingConfig.make(SamplingParams(), VOCAB)
     memory = PlannerMemory(arms)
     memory.stints.arm, memory.stints.plan = fixed_1, [fixed_1] * 4
+    memory.stints.rounds_left = memory.stints.block_rounds = 16  # whole blocks
     drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["chain"])
     real = drafter.catch_up
     caught = []
