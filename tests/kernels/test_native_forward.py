@@ -127,7 +127,8 @@ def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
 def test_each_thread_split_gives_the_single_threads_bits(head64, threads):
     """The native pass with 2 and 3 threads (3 does not divide the 2 heads, so the shared path
     runs): the very logits and committed K/V of one thread, on chains, trees and several cache
-    rows; those within 1e-5 of stock torch; and a chain's rows the bits of one-token passes."""
+    rows, also when the weights were laid out for the other thread count; those within 1e-5 of
+    stock torch; and a chain's rows the bits of one-token passes."""
     model = load_model(head64)
     saved = torch.get_num_threads()
     try:
@@ -136,9 +137,14 @@ def test_each_thread_split_gives_the_single_threads_bits(head64, threads):
             ref, kr, vr = _decode(model, TorchBackend(native=True), batch, STEPS)
             stock, ks, vs = _decode(model, TorchBackend(native=False), batch, STEPS)
             torch.set_num_threads(threads)
-            out, ko, vo = _decode(model, TorchBackend(native=True), batch, STEPS)
+            backend = TorchBackend(native=True)  # packs, and lays the weights out, for `threads`
+            out, ko, vo = _decode(model, backend, batch, STEPS)
+            torch.set_num_threads(5 - threads)  # 2 <-> 3: read in another order
+            other, _, _ = _decode(model, backend, batch, STEPS)
+            torch.set_num_threads(threads)
             n = sum(s[0] for s in STEPS if s[2])
             assert all(torch.equal(x, y) for x, y in zip(out, ref))
+            assert all(torch.equal(x, y) for x, y in zip(other, ref))
             assert torch.equal(ko[:, :, :, :n], kr[:, :, :, :n]) and torch.equal(vo[:, :, :, :n], vr[:, :, :, :n])
             assert all(_close(x, y) for x, y in zip(out, stock))
             assert _close(ko[:, :, :, :n], ks[:, :, :, :n]) and _close(vo[:, :, :, :n], vs[:, :, :, :n])
