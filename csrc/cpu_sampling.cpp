@@ -160,6 +160,17 @@ struct Rule {
   bool greedy() const { return temperature == 0.f; }
 };
 
+// The first i < n with p[i] == v, 16 lanes at a time (a lane mask, then its first bit); -1 when
+// there is none (v NaN, or not in p).
+int64_t first_equal(const float* p, int64_t n, float v) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    if (const uint32_t eq = vmask_eq(vload(p + i), v)) return i + __builtin_ctz(eq);
+  for (; i < n; ++i)
+    if (p[i] == v) return i;
+  return -1;
+}
+
 // z / T for a whole row, and its log-sum-exp.
 // z is padded with -inf to a whole number of vectors.
 float scaled_row(const float* row, int64_t V, float T, std::vector<float>& z) {
@@ -194,10 +205,8 @@ int64_t perturbed_scores(const std::vector<float>& z, int64_t V, float lse, uint
     best = vmax(best, x);
   }
   for (int64_t j = V; j < padded; ++j) s[j] = kNegInf;
-  const float mx = vmax_all(best);
-  for (int64_t j = 0; j < padded; j += kLanes)  // the padding is -inf: only a row of -inf finds it
-    if (const uint32_t eq = vmask_eq(vload(s.data() + j), mx)) return std::min<int64_t>(j + __builtin_ctz(eq), V - 1);
-  return 0;  // every score NaN
+  const int64_t first = first_equal(s.data(), V, vmax_all(best));
+  return first >= 0 ? first : 0;  // every score NaN: 0
 }
 
 inline bool ranks_before(float za, int64_t a, float zb, int64_t b) { return za > zb || (za == zb && a < b); }
@@ -342,11 +351,7 @@ int64_t choose_row(const float* row, int64_t V, uint32_t key, const Rule& rule, 
     for (; j + kLanes <= V; j += kLanes) m = vmax(m, vload(row + j));
     float mx = vmax_all(m);
     for (; j < V; ++j) mx = std::max(mx, row[j]);
-    int64_t i = 0;
-    for (; i + kLanes <= V; i += kLanes)
-      if (const uint32_t eq = vmask_eq(vload(row + i), mx)) return i + __builtin_ctz(eq);
-    for (; i < V; ++i)
-      if (row[i] == mx) return i;
+    if (const int64_t first = first_equal(row, V, mx); first >= 0) return first;
     int64_t best = 0;  // NaN rows: the scalar rule
     for (int64_t i = 1; i < V; ++i)
       if (row[i] > row[best]) best = i;
