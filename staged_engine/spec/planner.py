@@ -279,11 +279,9 @@ class Stints:
         self.prev_arm = -1  # the arm of the block before the current one
         # The first comparisons: every drafting arm next to a plain block.
         self.plan = [1, 0] + [a for arm in range(2, arms) for a in (arm, 0)][:-1] if arms > 2 else [1, 0, 1]
-        self.arm = self.plan.pop(0)
         self.stint = first_stint
         self.favoured: int | None = None  # the arm the last plan favoured
-        # Left in the current block, and its length: the first is a drafting arm's first look.
-        self.rounds_left = self.block_rounds = self._block_rounds(self.arm)
+        self._next_block()  # the first: a drafting arm's first look
         self.tokens = self.seconds = 0.0  # of the current block
         # Tokens per round each arm's blocks yield (a running mean), against which a favoured
         # drafting arm's block is read: what its tokens per round say of its rate, free of the
@@ -315,6 +313,11 @@ class Stints:
         self.prev_arm = a
         if not self.plan:
             self._schedule()
+        self._next_block()
+
+    def _next_block(self) -> None:
+        """Start the plan's next block: its arm, and its rounds (``rounds_left`` of
+        ``block_rounds``)."""
         self.arm = self.plan.pop(0)
         self.rounds_left = self.block_rounds = self._block_rounds(self.arm)
 
@@ -436,8 +439,7 @@ class Stints:
         self.favoured, self.stint = None, stint  # _schedule keeps the stint when nothing was favoured
         self.prev_arm, self.tokens, self.seconds = -1, 0.0, 0.0
         self._schedule()
-        self.arm = self.plan.pop(0)
-        self.rounds_left = self.block_rounds = self._block_rounds(self.arm)
+        self._next_block()
 
     def summary(self, names: list[str] | None = None) -> dict:
         names = names or [str(a) for a in range(self.n_arms)]
