@@ -8,7 +8,9 @@ fp16 weights, or ``--models DIR ...``):
   64-token prompt) against the **weight-streaming bound**: the bytes of weights a token reads (NativeGPT2's
   packed linears and LM head) over the read bandwidth measured here on a buffer of the same size
   by a native probe that reads it as a weight stream is read (cache-resident when the weights
-  fit the last-level cache), and over DRAM bandwidth (a 512 MiB buffer);
+  fit the last-level cache), and over DRAM bandwidth (a 512 MiB buffer); also each round's
+  decode against the bound of the probe run just before it, the median of those shares (the
+  machine's state the same for both);
 - an N-node pass (N = 1..64, a random tree below a 128-token prefix, on the engine's path:
   ``ModelRunner.forward_nodes``, one native call from lists) against the larger of that
   bandwidth bound and the **compute bound** (2 x weights x N FLOP at the fp32 GEMM rate torch's
@@ -214,10 +216,17 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
         compute = flop_per_node * n / rate
         nodes[str(n)] = {"seconds": t, "compute_bound_s": compute, "bandwidth_bound_s": bound_bw,
                          "ratio_to_bound": t / max(compute, bound_bw)}
+    # Each round's decode against the bound its own bandwidth probe, run just before, set: the
+    # machine's state is the same for both (on a shared VM the DRAM read rate moves between
+    # rounds by up to 1.6x, and the best probe of one round against the median decode of others
+    # reads that drift as the engine's).
+    paired = [nbytes / r["bw"] / r["ms"] for r in raw]
     row = {"path": path, "params": model.config.num_params, "weight_bytes": nbytes,
            "weights": "float16" if native.half else "float32", "rounds": args.rounds,
            "read_bandwidth_at_weight_size_GBps": bw / 1e9, "ms_per_token": ms * 1e3,
            "ms_per_token_rounds": [r["ms"] * 1e3 for r in raw],
+           "read_bandwidth_rounds_GBps": [r["bw"] / 1e9 for r in raw],
+           "share_of_bound_rounds": paired, "share_of_bound_paired": med(paired),
            "bound_ms": bound_bw * 1e3, "share_of_bound": bound_bw / ms,
            "dram_bound_ms": bound_dram * 1e3, "share_of_dram_bound": bound_dram / ms, "nodes": nodes}
     if not args.no_hf:
@@ -234,6 +243,14 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
     return row
 
 
+def _pct(x: float | None) -> str:
+    return f"{x:.0%}" if x is not None else "n/a"
+
+
+def _num(x: float | None) -> str:
+    return f"{x:.0f}" if x is not None else "n/a"
+
+
 def table(result: dict) -> str:
     m = result["machine"]
     lines = [f"Plain decoding against the weight-streaming bound, N-node passes against the larger of the "
@@ -241,9 +258,10 @@ def table(result: dict) -> str:
              f"{result['threads']} threads; DRAM read {result['dram_read_GBps']:.1f} GB/s, fp32 GEMM "
              f"{result['gemm_GFLOPs']:.0f} GFLOP/s; every time a median of {result.get('rounds', 1)} rounds, "
              "the bandwidths and the GEMM rate the best of them):", "",
-             "| model | weights a token | read bandwidth there | ms/token | bound | share of bound | share of DRAM bound "
+             "| model | weights a token | read bandwidth there | ms/token | bound | share of bound | "
+             "share of bound, each round against its own probe (median) | share of DRAM bound "
              "| engine tok/s | HF generate tok/s | llama.cpp tok/s | engine vs llama.cpp (median of rounds) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["models"].items():
         lc = r.get("llama_cpp", {})
         lc_ts = lc.get("tokens_per_s")
@@ -251,8 +269,8 @@ def table(result: dict) -> str:
         lines.append(
             f"| {name} ({r['params'] / 1e6:.1f}M) | {r['weight_bytes'] / 1e6:.1f} MB {r['weights']} | "
             f"{r['read_bandwidth_at_weight_size_GBps']:.0f} GB/s | {r['ms_per_token']:.3f} | {r['bound_ms']:.3f} | "
-            f"{r['share_of_bound']:.0%} | {r['share_of_dram_bound']:.0%} | "
-            f"{eng:.0f} | {r.get('hf_tokens_per_s', float('nan')):.0f} | "
+            f"{r['share_of_bound']:.0%} | {_pct(r.get('share_of_bound_paired'))} | {r['share_of_dram_bound']:.0%} | "
+            f"{_num(eng)} | {_num(r.get('hf_tokens_per_s'))} | "
             + (f"{lc_ts:.0f} | {r.get('engine_vs_llama_cpp', eng / lc_ts):.2f}x |" if lc_ts and eng else f"n/a ({lc.get('unavailable', 'not run')[:80]}) | |"))
     lines += ["", "N-node pass time over max(bandwidth bound, compute bound):", "",
               "| model | " + " | ".join(f"N={n}" for n in NODES) + " |", "|---|" + "---|" * len(NODES)]
