@@ -89,10 +89,14 @@ enum class Epilogue { kStore, kResidual, kGeluTanh, kGelu, kRelu };
 struct PackedLinear {
   int64_t M = 0, K = 0, panels = 0;
   bool half = false;
-  // Panels come in groups of kPanels (the last group may hold fewer, np), each group stored
-  // k-major and interleaved, (K, np, kLanes), so a register block streams one sequential run.
-  // The groups lie one after another in wh / wf, or, once a model has laid its products out in
-  // the order its threads read them (NativeGPT2::lay_out), wherever ``at`` says in its buffer.
+  // Panels come in groups of at most kPanels, group g holding panels [first[g], first[g + 1]),
+  // np of them, stored k-major and interleaved, (K, np, kLanes), so a register block streams one
+  // sequential run. The groups are cut within the shares of the ``split`` threads a forward pass
+  // runs on, panels [panels * t / split, panels * (t + 1) / split) for thread t, so each thread
+  // computes its even share in whole groups (``shares``): an 80-wide product, 5 panels, goes 3
+  // and 2 on two threads, where groups of 4 made it 4 and 1. The groups lie one after another
+  // in wh / wf, or, once a model has laid its products out in the order its threads read them
+  // (NativeGPT2::lay_out), wherever ``at`` says in its buffer.
   aligned_vector<uint16_t> wh;  // float16 bits
   aligned_vector<float> wf;     // float32
   const uint16_t* wh_base = nullptr;  // the laid-out buffer, or null: wh / wf
@@ -100,16 +104,42 @@ struct PackedLinear {
   std::vector<int64_t> at;      // per group: its first element in that buffer
   std::vector<float> bias;   // (panels * kLanes), zero-padded; empty when there is none
   int64_t ahead = 0;         // bytes of software prefetch ahead of the weight stream; 0: none
+  std::vector<int64_t> first{0};   // per group its first panel, and the panel count at the end
+  std::vector<int64_t> shares{0, 0};  // thread t of ``split``: groups [shares[t], shares[t + 1])
+  int split = 1;
 
-  int64_t groups() const { return (panels + kPanels - 1) / kPanels; }
-  int64_t group_elems(int64_t g) const { return std::min<int64_t>(kPanels, panels - g * kPanels) * K * kLanes; }
-  int64_t offset(int64_t g) const { return at.empty() ? g * kPanels * K * kLanes : at[static_cast<size_t>(g)]; }
+  int64_t groups() const { return static_cast<int64_t>(first.size()) - 1; }
+  int64_t group_panels(int64_t g) const { return first[g + 1] - first[g]; }
+  int64_t group_elems(int64_t g) const { return group_panels(g) * K * kLanes; }
+  // Where group g starts before lay_out: the groups in panel order, each (K, np, kLanes).
+  int64_t packed_offset(int64_t g) const { return first[g] * K * kLanes; }
+  int64_t offset(int64_t g) const { return at.empty() ? packed_offset(g) : at[static_cast<size_t>(g)]; }
+  // Whether every group but the last holds kPanels panels, starting at a multiple of kPanels.
+  bool even_groups() const {
+    for (int64_t g = 0; g + 1 < groups(); ++g)
+      if (first[g] != g * kPanels || group_panels(g) != kPanels) return false;
+    return true;
+  }
   const uint16_t* group_h(int64_t g) const { return (wh_base ? wh_base : wh.data()) + offset(g); }
   const float* group_f(int64_t g) const { return (wf_base ? wf_base : wf.data()) + offset(g); }
   size_t bytes() const { return static_cast<size_t>(panels * K * kLanes) * (half ? 2 : 4); }
 };
 
-PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::Tensor>& b_in, const char* name) {
+// Cuts panels [0, panels) into groups of at most kPanels within each of ``split`` threads' even
+// shares (see PackedLinear).
+void cut_groups(PackedLinear& p, int split) {
+  p.split = split;
+  p.first.assign(1, 0);
+  p.shares.assign(1, 0);
+  for (int t = 0; t < split; ++t) {
+    const int64_t end = p.panels * (t + 1) / split;
+    for (int64_t at = p.first.back(); at < end; at = p.first.back()) p.first.push_back(std::min(at + kPanels, end));
+    p.shares.push_back(p.groups());
+  }
+}
+
+PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::Tensor>& b_in, const char* name,
+                         int split) {
   SE_CHECK(w_in.dim() == 2, name, " must be 2-D (out, in), got ", w_in.dim(), " dimensions");
   SE_CHECK(w_in.scalar_type() == torch::kFloat32, name, " must be float32, got ", w_in.scalar_type());
   const torch::Tensor w = w_in.contiguous();
@@ -125,17 +155,18 @@ PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::T
     exact = std::isfinite(x) && static_cast<float>(c10::Half(x)) == x;
   }
   p.half = exact;
+  cut_groups(p, std::max(1, split));
   const int64_t total = p.panels * p.K * kLanes;
   if (exact) p.wh.assign(total, 0); else p.wf.assign(total, 0.f);
-  for (int64_t m = 0; m < p.M; ++m) {
-    const int64_t panel = m / kLanes, lane = m % kLanes;
-    const int64_t g = panel / kPanels, j = panel % kPanels;
-    const int64_t np = std::min<int64_t>(kPanels, p.panels - g * kPanels);  // panels in this group
-    const int64_t base = g * kPanels * p.K * kLanes;
-    for (int64_t k = 0; k < p.K; ++k) {
-      const float x = src[m * p.K + k];
-      const int64_t at = base + (k * np + j) * kLanes + lane;
-      if (exact) p.wh[at] = c10::Half(x).x; else p.wf[at] = x;
+  for (int64_t g = 0; g < p.groups(); ++g) {
+    const int64_t np = p.group_panels(g), base = p.packed_offset(g);
+    for (int64_t m = p.first[g] * kLanes; m < std::min(p.M, p.first[g + 1] * kLanes); ++m) {
+      const int64_t j = m / kLanes - p.first[g], lane = m % kLanes;
+      for (int64_t k = 0; k < p.K; ++k) {
+        const float x = src[m * p.K + k];
+        const int64_t at = base + (k * np + j) * kLanes + lane;
+        if (exact) p.wh[at] = c10::Half(x).x; else p.wf[at] = x;
+      }
     }
   }
   if (b_in.has_value() && b_in->defined()) {
@@ -312,18 +343,18 @@ void block_rows(int rows, int narrow, int np, const W* w, int64_t ahead, const P
   }
 }
 
-// Panel groups [g0, g1) of y (R, M) = epilogue(x (R, K) W^T + b), every row. A group is
-// kPanels * kLanes output features (the last may hold fewer). Its rows go in register blocks of
-// at most kMaxRows, as even as possible (7 rows: 3 + 4, not 6 + 1); every block streams the
-// group's weights, from L1 after the first. Each output is one FMA chain over k = 0..K-1
+// Panel groups [g0, g1) of y (R, M) = epilogue(x (R, K) W^T + b), every row. A group is at
+// most kPanels * kLanes output features. Its rows go in register blocks of at most kMaxRows, as
+// even as possible (7 rows: 3 + 4, not 6 + 1); every block streams the group's weights, from L1
+// after the first. Each output is one FMA chain over k = 0..K-1
 // whatever the block, so a row's bits do not depend on R.
 void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
                    Epilogue ep, int64_t g0, int64_t g1) {
   const int64_t blocks = (R + kMaxRows - 1) / kMaxRows;
   const int narrow = narrow_rows();
   for (int64_t g = g0; g < g1; ++g) {
-    const int64_t p0 = g * kPanels;
-    const int np = static_cast<int>(std::min<int64_t>(kPanels, L.panels - p0));
+    const int64_t p0 = L.first[g];
+    const int np = static_cast<int>(L.group_panels(g));
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t r0 = R * b / blocks;
       const int rows = static_cast<int>(R * (b + 1) / blocks - r0);
@@ -335,6 +366,7 @@ void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y,
 
 // Thread tid's share of a product's panel groups: [first, second).
 std::pair<int64_t, int64_t> thread_groups(const PackedLinear& L, int tid, int nt) {
+  if (nt == L.split) return {L.shares[tid], L.shares[tid + 1]};  // the even shares the groups were cut for
   return {L.groups() * tid / nt, L.groups() * (tid + 1) / nt};
 }
 
@@ -365,6 +397,7 @@ int probe_narrow_rows() {
   PackedLinear L;
   L.K = 128;
   L.panels = kPanels;
+  L.first = {0, kPanels};
   L.M = L.panels * kLanes;
   L.half = true;
   L.wh.resize(L.panels * L.K * kLanes);
@@ -656,6 +689,7 @@ class NativeGPT2 {
     else if (activation == "relu") act_ = Epilogue::kRelu;
     else fail("activation must be gelu_tanh, gelu or relu, got ", activation);
     D_ = C_ / n_head;
+    const int nt = forward_threads();  // the threads each product's groups are cut and laid out for
     wte_ = wte.contiguous();
     wpe_ = wpe.contiguous();
     for (size_t i = 0; i < blocks.size(); i += 12) {
@@ -663,12 +697,12 @@ class NativeGPT2 {
       Block b;
       b.ln1w = to_vec(w[0], C_, "ln_1.weight");
       b.ln1b = to_vec(w[1], C_, "ln_1.bias");
-      b.qkv = pack_linear(w[2], w[3], "attn.c_attn");
-      b.proj = pack_linear(w[4], w[5], "attn.c_proj");
+      b.qkv = pack_linear(w[2], w[3], "attn.c_attn", nt);
+      b.proj = pack_linear(w[4], w[5], "attn.c_proj", nt);
       b.ln2w = to_vec(w[6], C_, "ln_2.weight");
       b.ln2b = to_vec(w[7], C_, "ln_2.bias");
-      b.fc = pack_linear(w[8], w[9], "mlp.c_fc");
-      b.mproj = pack_linear(w[10], w[11], "mlp.c_proj");
+      b.fc = pack_linear(w[8], w[9], "mlp.c_fc", nt);
+      b.mproj = pack_linear(w[10], w[11], "mlp.c_proj", nt);
       SE_CHECK(b.qkv.M == 3 * C_ && b.qkv.K == C_, "attn.c_attn must be (", 3 * C_, ", ", C_, ")");
       SE_CHECK(b.proj.M == C_ && b.proj.K == C_, "attn.c_proj must be (", C_, ", ", C_, ")");
       SE_CHECK(b.fc.K == C_ && b.mproj.M == C_ && b.mproj.K == b.fc.M, "mlp shapes do not chain");
@@ -677,8 +711,8 @@ class NativeGPT2 {
     }
     lnfw_ = to_vec(lnf_w, C_, "ln_f.weight");
     lnfb_ = to_vec(lnf_b, C_, "ln_f.bias");
-    head_ = pack_linear(wte_, c10::nullopt, "wte (LM head)");
-    lay_out(forward_threads());
+    head_ = pack_linear(wte_, c10::nullopt, "wte (LM head)", nt);
+    lay_out(nt);
     narrow_rows();  // the block form's probe, if this process has not run it, outside any pass
     // Weights that outgrow the threads' L2 caches stream from L3 or DRAM on every pass, further
     // ahead than the hardware prefetchers reach in a short run of one panel group: prefetch
@@ -722,12 +756,13 @@ class NativeGPT2 {
   }
 
  private:
-  // Whether each head's q, k and v columns are whole panel groups of c_attn and the heads divide
-  // evenly between ``nth`` threads: then heads go to threads round robin, and a thread computes
+  // Whether each head's q, k and v columns are whole panel groups of c_attn (groups of kPanels
+  // from panel 0, as the even shares of heads that divide by the threads cut them) and the heads
+  // divide evenly between ``nth`` threads: then heads go to threads round robin, and a thread computes
   // its own heads' q/k/v, writes their K/V and attends, with no barrier in between.
   bool heads_own(int nth) const {
     const int64_t group = static_cast<int64_t>(kPanels) * kLanes;
-    return D_ % group == 0 && C_ % group == 0 && n_head_ % nth == 0;
+    return D_ % group == 0 && C_ % group == 0 && n_head_ % nth == 0 && blocks_.front().qkv.even_groups();
   }
 
   // The panel groups of c_attn holding part (0 q, 1 k, 2 v) of head hh, when heads_own.
@@ -781,7 +816,7 @@ class NativeGPT2 {
     int64_t ph = 0, pf = 0;
     auto place = [&](PackedLinear* L, int64_t g) {
       if (L->at[static_cast<size_t>(g)] >= 0) return;
-      const int64_t n = L->group_elems(g), from = g * kPanels * L->K * kLanes;
+      const int64_t n = L->group_elems(g), from = L->packed_offset(g);
       if (L->half) {
         std::copy(L->wh.begin() + from, L->wh.begin() + from + n, arena_h_.begin() + ph);
         L->at[static_cast<size_t>(g)] = ph;
@@ -1068,11 +1103,11 @@ std::tuple<std::vector<double>, bool, int64_t> linear_seconds(const torch::Tenso
                                                              int64_t repeats) {
   SE_CHECK(rows >= 1 && rows <= 4096, "rows must be in [1, 4096], got ", rows);
   SE_CHECK(repeats >= 1 && repeats <= 100000, "repeats must be in [1, 100000], got ", repeats);
-  PackedLinear L = pack_linear(weight, c10::nullopt, "weight");
+  const int nt = forward_threads();
+  PackedLinear L = pack_linear(weight, c10::nullopt, "weight", nt);
   if (outgrows_l2(static_cast<int64_t>(L.bytes()))) L.ahead = kPrefetchBytes;
   std::vector<float> x(rows * L.K), y(rows * L.M);
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
-  const int nt = forward_threads();
   std::vector<double> seconds;
   seconds.reserve(repeats);
   for (int64_t i = 0; i < repeats; ++i) {

@@ -119,17 +119,31 @@ def head64(tmp_path_factory) -> str:
                               n_positions=96, n_embd=128, n_layer=2, n_head=2)
 
 
+@pytest.fixture(scope="module")
+def wide80(tmp_path_factory) -> str:
+    """The demo draft's widths (80 features, heads of 40): a product 80 wide is 5 panels, cut for
+    2 threads into groups of 2 and 3 panels (for 1 thread: 4 and 1), the MLP's 320 into 10 and
+    10; the heads' columns are not whole groups, so the shared attention path runs."""
+    from ckpt_util import make_hf_checkpoint
+
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("wide80") / "m"), seed=6, vocab_size=301,
+                              n_positions=96, n_embd=80, n_layer=2, n_head=2)
+
+
 def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
     return ((x - y).abs().max() / y.abs().max()).item() < 1e-5
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_each_thread_split_gives_the_single_threads_bits(head64, threads):
+@pytest.mark.parametrize("shape", ["head64", "wide80"])
+def test_each_thread_split_gives_the_single_threads_bits(head64, wide80, shape, threads):
     """The native pass with 2 and 3 threads (3 does not divide the 2 heads, so the shared path
-    runs): the very logits and committed K/V of one thread, on chains, trees and several cache
-    rows, also when the weights were laid out for the other thread count; those within 1e-5 of
-    stock torch; and a chain's rows the bits of one-token passes."""
-    model = load_model(head64)
+    runs; each product's panel groups are cut within the threads' even shares, so 3 threads and
+    the 80-wide shape give groups of 1-3 panels): the very logits and committed K/V of one
+    thread, on chains, trees and several cache rows, also when the weights were packed and laid
+    out for the other thread count; those within 1e-5 of stock torch; and a chain's rows the
+    bits of one-token passes."""
+    model = load_model(head64 if shape == "head64" else wide80)
     saved = torch.get_num_threads()
     try:
         for batch in (1, 3):
