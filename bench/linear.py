@@ -180,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, m, k in SHAPES:
         result["shapes"][name] = measure(name, m, k, args.repeats, rate)
     publish(result, table(result), args.out)
-    png = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", "linear.png")
+    # The plot is named after the result file: the default run's is linear.png, another's <out>.png.
+    name = "linear" if args.out == "linear_cpu.json" else os.path.splitext(os.path.basename(args.out))[0]
+    png = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", name + ".png")
     plot(result, png)
     print(f"saved {png}")
     return 0

@@ -344,7 +344,9 @@ def main(argv=None) -> int:
     for name, path in models.items():
         result["models"][name] = measure(name, path, args, dram, rate)
     publish(result, table(result), args.out)
-    png = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", "roofline.png")
+    # The plot is named after the result file: the default run's is roofline.png, another's <out>.png.
+    name = "roofline" if args.out == "roofline.json" else os.path.splitext(os.path.basename(args.out))[0]
+    png = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", name + ".png")
     plot(result, png)
     print(f"saved {png}")
     return 0
