@@ -297,6 +297,27 @@ inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinea
 // has 4 zmm chains a row, or 8 ymm ones in block_narrow, and keeps its blocks.)
 template <int NR>
 constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR == 2 ? 2 : 1;
+#endif
+
+// Whether blocks of one or two rows take several groups at once (AVX2 builds; the AVX-512 build
+// has no such form). On by default; ``set_group_runs`` turns it off for the tests and benches
+// that compare the two forms: the bits are the same either way, so it changes speed only.
+std::atomic<bool> g_group_runs{true};
+
+bool group_runs() {
+#if defined(__AVX512F__)
+  return false;
+#else
+  return g_group_runs.load(std::memory_order_relaxed);
+#endif
+}
+
+bool set_group_runs(bool on) {
+  g_group_runs.store(on, std::memory_order_relaxed);
+  return group_runs();
+}
+
+#if !defined(__AVX512F__)
 
 // Rows [r0, r0 + NR) of NG whole panel groups (kPanels panels each, first panels p0[0..NG)),
 // weights w[0..NG); as ``block`` for each group, interleaved.
@@ -431,7 +452,7 @@ void block_rows(int rows, int narrow, int np, const W* w, int64_t ahead, const P
 void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
                    Epilogue ep, int64_t g0, int64_t g1) {
 #if !defined(__AVX512F__)
-  if (R <= 2) {  // one block of one or two rows: several groups at once (kGroupsAtOnce)
+  if (R <= 2 && group_runs()) {  // one block of one or two rows: several groups at once (kGroupsAtOnce)
     if (L.half) {
       if (R == 1) few_rows_groups<1>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
       else few_rows_groups<2>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
@@ -1274,6 +1295,11 @@ void register_native_forward(py::module& m) {
         "the same bits as 512-bit blocks, faster where 512-bit widening is slow");
   m.def("set_narrow_rows", &set_narrow_rows,
         "pin narrow_rows to 0-2, or -1 for the probed choice; returns the value in force", py::arg("n"));
+  m.def("group_runs", &group_runs,
+        "whether blocks of one or two rows take several panel groups at once (AVX2 builds; the same bits as one "
+        "group a block, faster where one group leaves the FMAs waiting on their latency)");
+  m.def("set_group_runs", &set_group_runs,
+        "turn group_runs on or off (for comparisons of the two forms); returns the value in force", py::arg("on"));
   m.def("linear_seconds", &linear_seconds,
         "seconds of each call of the native linear kernel alone over `rows` rows of a (out, in) float32 weight, "
         "packed as the decoder packs it: (seconds, packed as float16, packed bytes)",

@@ -87,7 +87,8 @@ def _file_digest(path: str) -> str:
 def native_build() -> dict:
     """The native kernels the figures were measured with: a digest of the built extension (a
     rebuild with other kernels changes the speed the package version does not show) and the
-    register-block form its probe chose (``_cpu.narrow_rows``). Empty where it is not built."""
+    register-block forms in force (``_cpu.narrow_rows``, ``_cpu.group_runs``). Empty where it is
+    not built."""
     from staged_engine.model.backend import _cpu
 
     if _cpu is None or not getattr(_cpu, "__file__", None):
@@ -95,6 +96,8 @@ def native_build() -> dict:
     build = {"native_build": _file_digest(_cpu.__file__)}
     if hasattr(_cpu, "narrow_rows"):
         build["narrow_rows"] = _cpu.narrow_rows()
+    if hasattr(_cpu, "group_runs"):
+        build["group_runs"] = _cpu.group_runs()
     return build
 
 
