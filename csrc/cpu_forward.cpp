@@ -285,21 +285,24 @@ inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinea
 #endif
 
 #if !defined(__AVX512F__)
-// A pass over one or two rows, 8 lanes a vector: a group of kPanels = 2 panels gives a block of
-// one row 2 accumulators and of two rows 4, each one FMA chain over k, so the FMAs wait on their
-// own latency (4 cycles, 2 pipes: 8 chains keep an FMA unit busy), not on the weights. On an
+// A pass over one to three rows, 8 lanes a vector: a group of kPanels = 2 panels gives a block of
+// one row 2 accumulators, of two rows 4 and of three 6, each one FMA chain over k, so the FMAs
+// wait on their own latency (4 cycles, 2 pipes: 8 chains keep an FMA unit busy). On an
 // AVX2 Zen 3 one row of the demo draft's products took the same time with float16 and float32
 // weights (74-75 us on one thread): neither the widening nor the stream set it. So blocks of
-// one row take kGroupsAtOnce<1> = 4 of the thread's groups at once and of two rows 2, each
+// one row take kGroupsAtOnce<1> = 4 of the thread's groups at once and of two or three rows 2
+// (12 accumulators, 3 broadcasts and a weight vector: the 16 ymm registers), each
 // group its own stream and its own accumulators: every output is still the same one chain over
 // k = 0..K-1, so the bits are those of ``block``. There, one row of the draft's 1.8 MB of fp16
-// weights took 44 us instead of 73 on one thread, 34 instead of 53 on two. (The AVX-512 build
-// has 4 zmm chains a row, or 8 ymm ones in block_narrow, and keeps its blocks.)
+// weights took 44 us instead of 73 on one thread, 34 instead of 53 on two; two and three rows
+// 1.1-1.2x faster on two threads, and on one thread too for the draft's weights, but 0.83-0.93x
+// for the oracle's 16.8 MB streamed by one thread (``set_group_runs`` compares the forms).
+// (The AVX-512 build has 4 zmm chains a row, or 8 ymm ones in block_narrow, and keeps its blocks.)
 template <int NR>
-constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR == 2 ? 2 : 1;
+constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
 #endif
 
-// Whether blocks of one or two rows take several groups at once (AVX2 builds; the AVX-512 build
+// Whether blocks of one to three rows take several groups at once (AVX2 builds; the AVX-512 build
 // has no such form). On by default; ``set_group_runs`` turns it off for the tests and benches
 // that compare the two forms: the bits are the same either way, so it changes speed only.
 std::atomic<bool> g_group_runs{true};
@@ -452,13 +455,15 @@ void block_rows(int rows, int narrow, int np, const W* w, int64_t ahead, const P
 void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
                    Epilogue ep, int64_t g0, int64_t g1) {
 #if !defined(__AVX512F__)
-  if (R <= 2 && group_runs()) {  // one block of one or two rows: several groups at once (kGroupsAtOnce)
+  if (R <= 3 && group_runs()) {  // one block of 1-3 rows: several groups at once (kGroupsAtOnce)
     if (L.half) {
       if (R == 1) few_rows_groups<1>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
-      else few_rows_groups<2>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
+      else if (R == 2) few_rows_groups<2>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
+      else few_rows_groups<3>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
     } else {
       if (R == 1) few_rows_groups<1>(L, &PackedLinear::group_f, x, ldx, y, ldy, ep, g0, g1);
-      else few_rows_groups<2>(L, &PackedLinear::group_f, x, ldx, y, ldy, ep, g0, g1);
+      else if (R == 2) few_rows_groups<2>(L, &PackedLinear::group_f, x, ldx, y, ldy, ep, g0, g1);
+      else few_rows_groups<3>(L, &PackedLinear::group_f, x, ldx, y, ldy, ep, g0, g1);
     }
     return;
   }
@@ -1296,7 +1301,7 @@ void register_native_forward(py::module& m) {
   m.def("set_narrow_rows", &set_narrow_rows,
         "pin narrow_rows to 0-2, or -1 for the probed choice; returns the value in force", py::arg("n"));
   m.def("group_runs", &group_runs,
-        "whether blocks of one or two rows take several panel groups at once (AVX2 builds; the same bits as one "
+        "whether blocks of one to three rows take several panel groups at once (AVX2 builds; the same bits as one "
         "group a block, faster where one group leaves the FMAs waiting on their latency)");
   m.def("set_group_runs", &set_group_runs,
         "turn group_runs on or off (for comparisons of the two forms); returns the value in force", py::arg("on"));

@@ -182,7 +182,7 @@ def test_each_thread_split_gives_the_single_threads_bits(head64, wide80, shape, 
 def narrow(request):
     """Pins how many rows a float16 register block computes in 256-bit halves (``block_narrow``,
     AVX-512 builds; the probe's choice otherwise), and restores the probe's choice afterwards.
-    ``one_group``: blocks of one or two rows over one panel group each instead of several at
+    ``one_group``: blocks of one to three rows over one panel group each instead of several at
     once (``group_runs``, AVX2 builds), with the probe's choice of halves."""
     try:
         if request.param == "one_group":
@@ -203,7 +203,7 @@ def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, na
     each row's logits and K/V are the bits of one-token decoding on 2 threads, and within 1e-5
     of stock torch. With one or two rows in 256-bit halves (``narrow``), the one-token pass and
     the two-row chain take the narrow blocks and the longer chains the 512-bit ones, so their
-    bits must agree across the two forms; so must one- and two-row blocks over several panel
+    bits must agree across the two forms; so must blocks of one to three rows over several panel
     groups at once (AVX2 builds) and over one (``one_group``)."""
     model = load_model(head64 if name == "head64" else checkpoints[name])
     if weights == "fp16-exact":
@@ -341,7 +341,7 @@ def test_the_block_form_is_probed_once_and_can_be_pinned():
 
 
 def test_group_runs_are_on_in_avx2_builds_and_can_be_turned_off():
-    """``group_runs``: blocks of one or two rows over several panel groups at once, on by default
+    """``group_runs``: blocks of one to three rows over several panel groups at once, on by default
     in AVX2 builds and absent (always off) in AVX-512 ones; ``set_group_runs`` turns it off and on."""
     avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
     assert _cpu.group_runs() == (not avx512)
