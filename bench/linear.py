@@ -157,7 +157,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel("microseconds per product")
         ax.set_title(f"{name}: {s['packed_bytes'] / 1e6:.1f} MB fp16")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{result['machine']['cpu']}, {result['threads']} threads")
+    fig.suptitle(f"{result['machine']['cpu']} ({result['machine'].get('isa', '')}), {result['threads']} threads")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=110)

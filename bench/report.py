@@ -192,16 +192,32 @@ def render() -> str:
         parts += section_e2e(r)
         parts += _plot("e2e_speedup.png", "speedup over HF generate per system")
         parts += _plot("e2e_accepted_lengths.png", "tokens emitted per oracle call")
+    r = _load("e2e_avx2.json")
+    if r:
+        parts += section_e2e(r, "End to end on an AVX2-only machine (`staged-engine bench e2e --prompt-sets heldout "
+                                "--limit 24 --repeats 3 --systems plain chain tree staged --chains 1 2 3 --out "
+                                "e2e_avx2.json`)", "e2e_avx2.json")
     r = _load("roofline.json")
     if r:
         parts += section_generic("Decode roofline: bandwidth and compute bounds, HF `generate` and llama.cpp "
                                  "(`staged-engine bench roofline`)", r, "roofline.json")
         parts += _plot("roofline.png", "share of the weight-streaming bound; N-node passes against the roofline")
+    r = _load("roofline_avx2.json")
+    if r:
+        parts += section_generic("Decode roofline on an AVX2-only machine (`staged-engine bench roofline --rounds 5 "
+                                 "--out roofline_avx2.json`)", r, "roofline_avx2.json")
+        parts += _plot("roofline_avx2.png", "AVX2: share of the weight-streaming bound; N-node passes against the "
+                                            "roofline")
     r = _load("linear_cpu.json")
     if r:
         parts += section_generic("The native linear kernel alone: what bounds an N-node pass "
                                  "(`staged-engine bench linear`)", r, "linear_cpu.json")
         parts += _plot("linear.png", "the native linear kernel against rows, with its bounds")
+    r = _load("linear_avx2.json")
+    if r:
+        parts += section_generic("The native linear kernel alone on an AVX2-only machine (`staged-engine bench linear "
+                                 "--out linear_avx2.json`)", r, "linear_avx2.json")
+        parts += _plot("linear_avx2.png", "AVX2: the native linear kernel against rows, with its bounds")
     r = _load("e2e_identity_all_prompts.json")
     if r:
         parts += section_e2e(r, "Exactness at scale: every prompt of both sets, engine strategies, "

@@ -306,7 +306,7 @@ def plot(result: dict, path: str) -> None:
     b.set_ylabel("pass time / max(bandwidth, compute bound)")
     b.set_title("N-node passes against the roofline")
     b.legend()
-    fig.suptitle(f"{result['machine']['cpu']}, {result['threads']} threads")
+    fig.suptitle(f"{result['machine']['cpu']} ({result['machine'].get('isa', '')}), {result['threads']} threads")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=110)
