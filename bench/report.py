@@ -247,6 +247,10 @@ def render() -> str:
                          "'{\"dsbd\": {\"dynamic\": false, \"layout\": \"rows\", \"adaptive\": true}}'`)"),
                         ("dsbd_fixed_w4.json", "DSBD with a fixed width, W = 4, one cache row per beam"),
                         ("dsbd_fixed_w8.json", "DSBD with a fixed width, W = 8, one cache row per beam"),
+                        ("dsbd_fixed_w2_avx2.json", "DSBD with a fixed width, W = 2, one cache row per beam, on an "
+                         "AVX2-only machine (the same command with `--out dsbd_fixed_w2_avx2.json`)"),
+                        ("dsbd_fixed_w4_avx2.json", "DSBD with a fixed width, W = 4, one cache row per beam, AVX2"),
+                        ("dsbd_fixed_w8_avx2.json", "DSBD with a fixed width, W = 8, one cache row per beam, AVX2"),
                         ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
