@@ -295,8 +295,10 @@ inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinea
 // group its own stream and its own accumulators: every output is still the same one chain over
 // k = 0..K-1, so the bits are those of ``block``. There, one row of the draft's 1.8 MB of fp16
 // weights took 44 us instead of 73 on one thread, 34 instead of 53 on two; two and three rows
-// 1.1-1.2x faster on two threads, and on one thread too for the draft's weights, but 0.83-0.93x
-// for the oracle's 16.8 MB streamed by one thread (``set_group_runs`` compares the forms).
+// ran 1.1-1.4x faster on two threads and, over the oracle's 16.8 MB on one thread, 1.44-1.49x
+// and 1.12-1.14x, except in minutes when other guests had cut this one's L3 read rate (one
+// group a block then took 1.05-1.19 ms instead of 0.69-0.74): 0.83-0.93x (``set_group_runs``
+// compares the forms).
 // (The AVX-512 build has 4 zmm chains a row, or 8 ymm ones in block_narrow, and keeps its blocks.)
 template <int NR>
 constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
