@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 
 def machine() -> dict:
-    """What ran the benchmark: CPU model, cores, memory, versions."""
+    """What ran the benchmark: CPU model (with its x86 family and model), cores, memory, versions."""
     from staged_engine.spec.cost import cpu_identity  # the one reading of /proc/cpuinfo
 
     ident = cpu_identity()
@@ -26,7 +26,8 @@ def machine() -> dict:
         pass
     import torch
 
-    info = {"cpu": cpu, "isa": isa, "vector_extensions": vector, "cores": os.cpu_count(), "memory_gib": mem_gb,
+    info = {"cpu": cpu, **({"cpu_family_model": ident["cpu_family_model"]} if "cpu_family_model" in ident else {}),
+            "isa": isa, "vector_extensions": vector, "cores": os.cpu_count(), "memory_gib": mem_gb,
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
             "torch": torch.__version__, "platform": platform.platform()}

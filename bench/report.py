@@ -47,7 +47,8 @@ def _load(name: str) -> dict | None:
 def _machine(m: dict) -> str:
     vec = [v for v in m.get("vector_extensions", []) if v in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16")]
     isa = ", ".join(vec) if vec else m.get("isa", "")
-    return f"{m['cpu']}, {m['cores']} cores ({isa}), torch {m['torch']}, {m['torch_threads']} threads"
+    cpu = f"{m['cpu']} ({m['cpu_family_model']})" if m.get("cpu_family_model") else m["cpu"]
+    return f"{cpu}, {m['cores']} cores ({isa}), torch {m['torch']}, {m['torch_threads']} threads"
 
 
 def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engine bench e2e`)",

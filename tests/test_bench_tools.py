@@ -98,14 +98,20 @@ def test_the_bench_command_finds_every_script_of_the_checkout():
 
 
 def test_every_result_names_the_native_kernels_it_timed():
-    """A result records the CPU and its vector extensions, and with the extension built the
-    digest of the kernels' build and the block form its probe chose (results differ by both)."""
+    """A result records the CPU (with its x86 family and model) and its vector extensions, and
+    with the extension built the digest of the kernels' build and the block forms in force
+    (results differ by both)."""
     from staged_engine.model.backend import _cpu
 
     info = _bench_module("common").machine()
     assert info["cpu"] and isinstance(info["vector_extensions"], list)
+    with open("/proc/cpuinfo") as f:  # a guest's model name may not tell core generations apart
+        fields = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in f if ":" in line}
+    if "cpu family" in fields and "model" in fields:
+        assert info["cpu_family_model"] == f"family {fields['cpu family']} model {fields['model']}"
     if _cpu is None:
         assert "native_build" not in info
         return
     assert info["narrow_rows"] == _cpu.narrow_rows()
+    assert info["group_runs"] == _cpu.group_runs()
     assert len(info["native_build"]) == 16 and int(info["native_build"], 16) >= 0

@@ -16,7 +16,8 @@ from staged_engine.spec.cost import cpu_identity, profile_key, profile_path
 def run(args, engine) -> int:
     models = [w for w in ("oracle", "draft", "draft2") if getattr(engine, w) is not None]
     ident = cpu_identity()
-    print(f"machine: {ident['cpu']} ({', '.join(ident['vector_extensions']) or 'no vector extensions'}), "
+    where = f"{ident['cpu']}, {ident['cpu_family_model']}" if ident.get("cpu_family_model") else ident["cpu"]
+    print(f"machine: {where} ({', '.join(ident['vector_extensions']) or 'no vector extensions'}), "
           f"{ident['cores']} cores")
     out = {}
     for which in models:

@@ -35,8 +35,10 @@ _VECTOR_PREFIXES = ("avx", "fma", "f16c", "amx", "neon", "asimd", "sve")
 
 
 def cpu_identity() -> dict:
-    """The CPU model, its vector extensions and core count (from /proc/cpuinfo where present)."""
-    name, flags = None, set()
+    """The CPU model, its x86 family and model numbers (a guest's model name may say only "AMD
+    EPYC", which covers several core generations), its vector extensions and core count (from
+    /proc/cpuinfo where present)."""
+    name, flags, family, model = None, set(), None, None
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -44,13 +46,20 @@ def cpu_identity() -> dict:
                 key = key.strip()
                 if key == "model name" and name is None:
                     name = value.strip()
+                elif key == "cpu family" and family is None:
+                    family = value.strip()
+                elif key == "model" and model is None:
+                    model = value.strip()
                 elif key in ("flags", "Features") and not flags:
                     flags = set(value.split())
     except OSError:
         pass
     name = name or platform.processor() or platform.machine() or "unknown"
-    return {"cpu": name, "vector_extensions": sorted(f for f in flags if f.startswith(_VECTOR_PREFIXES)),
-            "cores": os.cpu_count() or 1}
+    ident = {"cpu": name, "vector_extensions": sorted(f for f in flags if f.startswith(_VECTOR_PREFIXES)),
+             "cores": os.cpu_count() or 1}
+    if family is not None and model is not None:
+        ident["cpu_family_model"] = f"family {family} model {model}"
+    return ident
 
 
 def model_fingerprint(model) -> str:
