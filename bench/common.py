@@ -26,7 +26,7 @@ def machine() -> dict:
         pass
     import torch
 
-    info = {"cpu": cpu, **({"cpu_family_model": ident["cpu_family_model"]} if "cpu_family_model" in ident else {}),
+    info = {"cpu": cpu, "cpu_family_model": ident.get("cpu_family_model"),
             "isa": isa, "vector_extensions": vector, "cores": os.cpu_count(), "memory_gib": mem_gb,
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
@@ -74,6 +74,14 @@ def save(result: dict, name: str) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     return path
+
+
+def plot_path(out: str, default_out: str, default_stem: str) -> str:
+    """Where a bench's PNG goes: bench/results/plots/<default_stem>.png for the default result
+    file, else named after ``out`` (roofline_avx2.json -> roofline_avx2.png), so a second
+    machine's run keeps the first's plot."""
+    stem = default_stem if out == default_out else os.path.splitext(os.path.basename(out))[0]
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", stem + ".png")
 
 
 def publish(result: dict, markdown: str, name: str) -> str:

@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from common import machine, progress, publish, timed
+from common import machine, plot_path, progress, publish, timed
 from roofline import gemm_rate, read_bandwidth
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
@@ -180,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, m, k in SHAPES:
         result["shapes"][name] = measure(name, m, k, args.repeats, rate)
     publish(result, table(result), args.out)
-    # The plot is named after the result file: the default run's is linear.png, another's <out>.png.
-    name = "linear" if args.out == "linear_cpu.json" else os.path.splitext(os.path.basename(args.out))[0]
-    png = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", name + ".png")
+    png = plot_path(args.out, "linear_cpu.json", "linear")
     plot(result, png)
     print(f"saved {png}")
     return 0

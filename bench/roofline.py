@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from common import machine, progress, publish
+from common import machine, plot_path, progress, publish
 from forward_cost import random_tree_mask
 
 NODES = [1, 2, 4, 8, 16, 32, 64]
@@ -344,9 +344,7 @@ def main(argv=None) -> int:
     for name, path in models.items():
         result["models"][name] = measure(name, path, args, dram, rate)
     publish(result, table(result), args.out)
-    # The plot is named after the result file: the default run's is roofline.png, another's <out>.png.
-    name = "roofline" if args.out == "roofline.json" else os.path.splitext(os.path.basename(args.out))[0]
-    png = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", name + ".png")
+    png = plot_path(args.out, "roofline.json", "roofline")
     plot(result, png)
     print(f"saved {png}")
     return 0

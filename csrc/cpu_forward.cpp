@@ -325,7 +325,11 @@ bool set_group_runs(bool on) {
 #if !defined(__AVX512F__)
 
 // Rows [r0, r0 + NR) of NG whole panel groups (kPanels panels each, first panels p0[0..NG)),
-// weights w[0..NG); as ``block`` for each group, interleaved.
+// weights w[0..NG); as ``block`` for each group, interleaved. Its loop broadcasts the rows first
+// and widens each weight vector just before its FMAs, which suits these few rows; ``block``
+// widens the weights first and broadcasts one row at a time, which keeps a block of 6 rows
+// within the 16 ymm registers (6 broadcasts held at once would not fit), so the two loops stay
+// apart.
 template <int NR, int NG, typename W>
 inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L, const float* x, int64_t ldx,
                          float* y, int64_t ldy, int64_t r0, const int64_t* p0, Epilogue ep) {
@@ -458,15 +462,12 @@ void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y,
                    Epilogue ep, int64_t g0, int64_t g1) {
 #if !defined(__AVX512F__)
   if (R <= 3 && group_runs()) {  // one block of 1-3 rows: several groups at once (kGroupsAtOnce)
-    if (L.half) {
-      if (R == 1) few_rows_groups<1>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
-      else if (R == 2) few_rows_groups<2>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
-      else few_rows_groups<3>(L, &PackedLinear::group_h, x, ldx, y, ldy, ep, g0, g1);
-    } else {
-      if (R == 1) few_rows_groups<1>(L, &PackedLinear::group_f, x, ldx, y, ldy, ep, g0, g1);
-      else if (R == 2) few_rows_groups<2>(L, &PackedLinear::group_f, x, ldx, y, ldy, ep, g0, g1);
-      else few_rows_groups<3>(L, &PackedLinear::group_f, x, ldx, y, ldy, ep, g0, g1);
-    }
+    auto runs = [&](auto group) {  // group: &PackedLinear::group_h or group_f
+      if (R == 1) few_rows_groups<1>(L, group, x, ldx, y, ldy, ep, g0, g1);
+      else if (R == 2) few_rows_groups<2>(L, group, x, ldx, y, ldy, ep, g0, g1);
+      else few_rows_groups<3>(L, group, x, ldx, y, ldy, ep, g0, g1);
+    };
+    if (L.half) runs(&PackedLinear::group_h); else runs(&PackedLinear::group_f);
     return;
   }
 #endif
