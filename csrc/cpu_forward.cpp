@@ -660,11 +660,13 @@ inline void score4(const float* qi, const float* const* kr, int64_t D, float sc,
   for (int64_t u = 0; u < cnt; ++u) dst[u] = four[u];
 }
 
-// Values of the queries qs[0 .. QN) (QN = 1 or 2: their accumulators fit the registers; a
-// count known at compile time keeps them there, where a run-time count left them on the stack).
+// Values of the queries qs[0 .. QN) over the head's columns [d0, d0 + Dc), C = ceil(Dc / kLanes)
+// vectors (QN = 1 or 2: their accumulators fit the registers; a count known at compile time keeps
+// them there, where a run-time count left them on the stack).
 template <int C, int QN>
-void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_t ks, int64_t D) {
-  const int64_t tail = D - (C - 1) * kLanes;
+void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_t ks, int64_t d0, int64_t Dc) {
+  const int64_t tail = Dc - (C - 1) * kLanes;
+  vbase += d0;
   auto vrow = [&](const float* v, int c) {
     return (c < C - 1 || tail == kLanes) ? vload(v + c * kLanes) : vload_tail(v + c * kLanes, tail);
   };
@@ -701,23 +703,48 @@ void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_
     float den = 0.f;  // the softmax normaliser was left in p[n] by head_attention
     std::memcpy(&den, hq.p + hq.n, sizeof(float));
     const vec vinv = vset1(den);
+    float* out = hq.out + d0;
     for (int c = 0; c < C; ++c) {
       const vec r = vmul(vadd(even[u][c], odd[u][c]), vinv);
-      if (c < C - 1 || tail == kLanes) vstore(hq.out + c * kLanes, r); else vstore_tail(hq.out + c * kLanes, r, tail);
+      if (c < C - 1 || tail == kLanes) vstore(out + c * kLanes, r); else vstore_tail(out + c * kLanes, r, tail);
     }
   }
 }
 
-// Values of every query, two at a time: each V row of the shared part is loaded once per pair.
-template <int C>
-void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, int64_t ks, int64_t D) {
-  int64_t q = 0;
-  for (; q + 2 <= nq; q += 2) head_values_group<C, 2>(qs + q, common, vbase, ks, D);
-  if (q < nq) head_values_group<C, 1>(qs + q, common, vbase, ks, D);
+// Vectors of a head's columns one value pass holds per query: two accumulators each (even and odd
+// list entries), so that with a pair of queries they fill half the registers (8 of AVX2's 16,
+// 16 of AVX-512's 32) and leave room for the V rows and the broadcasts.
+constexpr int kValueVecs = kLanes == 16 ? 4 : 2;
+
+// Values of QN queries, the head's columns in chunks of at most 4 (one query) or kValueVecs (a
+// pair) vectors. Every column is the same sum whatever the chunk (each V element enters only its
+// own column's accumulators), so the chunking is free to follow the registers: a 64-wide head in
+// the AVX2 build takes 2 chunks for one query and 4 for a pair. (Before, the AVX2 build sent any
+// head wider than 4 vectors, GPT-2's 64 among them, to a loop with one FMA chain per 8 columns:
+// at a few hundred cached tokens that loop took as long as the layer's weights.)
+template <int QN>
+void head_values_cols(HeadQuery* qs, int64_t common, const float* vbase, int64_t ks, int64_t D) {
+  const int64_t width = (QN == 1 ? 4 : kValueVecs) * kLanes;
+  for (int64_t d0 = 0; d0 < D; d0 += width) {
+    const int64_t Dc = std::min(width, D - d0);
+    switch ((Dc + kLanes - 1) / kLanes) {
+      case 1: head_values_group<1, QN>(qs, common, vbase, ks, d0, Dc); break;
+      case 2: head_values_group<2, QN>(qs, common, vbase, ks, d0, Dc); break;
+      case 3: head_values_group<3, QN>(qs, common, vbase, ks, d0, Dc); break;
+      default: head_values_group<4, QN>(qs, common, vbase, ks, d0, Dc); break;
+    }
+  }
 }
 
-// Scores, softmax and values for the queries of one (row, head); D <= 4 * kLanes uses the grouped
-// value pass, larger heads go query by query.
+// Values of every query, two at a time: each V row of the shared part is loaded once per pair
+// (and chunk of columns).
+void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, int64_t ks, int64_t D) {
+  int64_t q = 0;
+  for (; q + 2 <= nq; q += 2) head_values_cols<2>(qs + q, common, vbase, ks, D);
+  if (q < nq) head_values_cols<1>(qs + q, common, vbase, ks, D);
+}
+
+// Scores, softmax and values for the queries of one (row, head).
 void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbase, const float* vbase, int64_t ks,
                     int64_t D, float sc) {
   const int64_t shared = common - common % 4;
@@ -752,28 +779,7 @@ void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbas
     const float inv = 1.f / vsum(vden);
     std::memcpy(hq.p + hq.n, &inv, sizeof(float));
   }
-  switch ((D + kLanes - 1) / kLanes) {
-    case 1: head_values<1>(qs, nq, common, vbase, ks, D); break;
-    case 2: head_values<2>(qs, nq, common, vbase, ks, D); break;
-    case 3: head_values<3>(qs, nq, common, vbase, ks, D); break;
-    case 4: head_values<4>(qs, nq, common, vbase, ks, D); break;
-    default:
-      for (int64_t q = 0; q < nq; ++q) {
-        HeadQuery& hq = qs[q];
-        float inv;
-        std::memcpy(&inv, hq.p + hq.n, sizeof(float));
-        for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
-          const int64_t t = std::min<int64_t>(kLanes, D - d0);
-          vec acc = vzero();
-          for (int64_t s = 0; s < hq.n; ++s) {
-            const float* vr = vbase + hq.slot(s) * ks + d0;
-            acc = vfma(vset1(hq.p[s]), t == kLanes ? vload(vr) : vload_tail(vr, t), acc);
-          }
-          acc = vmul(acc, vset1(inv));
-          if (t == kLanes) vstore(hq.out + d0, acc); else vstore_tail(hq.out + d0, acc, t);
-        }
-      }
-  }
+  head_values(qs, nq, common, vbase, ks, D);
 }
 
 struct Block {
