@@ -113,6 +113,7 @@ def run(args) -> dict:
               "new_tokens": args.new_tokens, "prompt_sets": args.prompt_sets, "n_prompts": len(encoded),
               "skipped_prompts": skipped, "options": options, "modes": {}}
     result["repeats"] = args.repeats
+    result["per_prompt_seconds"] = "median of the repeats"
     for mode in args.modes:
         sampled = mode != "greedy"
         per_system: dict[str, list[dict]] = {s: [] for s in args.systems}
@@ -123,7 +124,7 @@ def run(args) -> dict:
         bar = progress_bar(len(encoded), f"[{mode}]", "prompts")
         for i, (p, ids) in enumerate(encoded):
             outs, last = {}, {}
-            spent = {s: 0.0 for s in args.systems}
+            spent: dict[str, list[float]] = {s: [] for s in args.systems}
             for rep in range(args.repeats):  # systems alternate within each repeat: side by side in time
                 # Every other repeat (and prompt) in reverse order: no system always runs after the
                 # same neighbour (HF's thread pool, a cache another system left warm or cold).
@@ -131,11 +132,14 @@ def run(args) -> dict:
                     bar.set_postfix_str(s)  # before the clock starts: the bar is never timed
                     t0 = time.perf_counter()
                     tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)
-                    spent[s] += time.perf_counter() - t0
+                    spent[s].append(time.perf_counter() - t0)
                     outs[s], last[s] = tokens, stats
             for s in args.systems:
-                dt = spent[s] / args.repeats
-                per_system[s].append({"id": p["id"], "seconds": dt, "tokens_per_s": len(outs[s]) / dt, **last[s]})
+                # The median repeat: a burst of another guest's traffic slows one repeat of one
+                # system, not the prompt's figure (the mean let one such repeat set it).
+                dt = statistics.median(spent[s])
+                per_system[s].append({"id": p["id"], "seconds": dt, "tokens_per_s": len(outs[s]) / dt,
+                                      "repeat_seconds": spent[s], **last[s]})
             if "plain" in outs:
                 per_system["plain"][-1]["loops"] = loops(eng.decode(outs["plain"]))
             if sampled and "plain" in outs:  # drafter invariance: same seed, same tokens
@@ -241,6 +245,7 @@ def markdown(result: dict) -> str:
         loop = rows.get("plain", {}).get("loop_share")
         lines.append(f"**{mode}** ({result['n_prompts']} prompts x {result['new_tokens']} new tokens; "
                      f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}"
+                     + (f"; median of {result['repeats']} repeats a prompt" if result.get("repeats", 1) > 1 else "")
                      + (f"; {100 * loop:.0f}% of plain continuations loop" if loop is not None else "") + ")\n")
         best = next((r["best_fixed_chain"] for r in rows.values() if "best_fixed_chain" in r), None)
         lines.append("| system | tok/s (median) | vs HF generate | vs HF assisted | vs our plain (median) "
@@ -281,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"skip the A/A control ({AA}: plain decoding run again as a system of its own, "
                          "whose slowest prompt vs plain is the noise floor of that column)")
     ap.add_argument("--repeats", type=int, default=1,
-                    help="run each prompt this many times, systems alternating (per-prompt figures "
-                         "average the repeats: machine drift cancels)")
+                    help="run each prompt this many times, systems alternating; a prompt's time is "
+                         "the median of its repeats (all are recorded), so a burst of noise in one "
+                         "repeat does not set it")
     ap.add_argument("--options", help='JSON per-strategy options, e.g. {"staged": {"budget": 12}}')
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="e2e.json", help="file name under bench/results/")
