@@ -196,7 +196,7 @@ def render() -> str:
     r = _load("e2e_avx2.json")
     if r:
         parts += section_e2e(r, "End to end on an AVX2-only machine (`staged-engine bench e2e --prompt-sets heldout "
-                                "--limit 24 --repeats 3 --systems plain chain tree staged --chains 1 2 3 --out "
+                                "--limit 24 --repeats 5 --systems plain chain tree staged --chains 1 2 3 --out "
                                 "e2e_avx2.json`)", "e2e_avx2.json")
     r = _load("roofline.json")
     if r:
