@@ -47,6 +47,11 @@ STEPS = [(7, False, True), (1, False, True), (1, False, False), (4, True, False)
          (5, False, True), (1, False, True)]
 
 
+def _checkpoint(checkpoints: dict, request, name: str) -> str:
+    """The directory of a shared test checkpoint, or of this module's fixture of that name."""
+    return checkpoints[name] if name in checkpoints else request.getfixturevalue(name)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_native_matches_stock_torch(checkpoints, name, batch, monkeypatch):
@@ -72,7 +77,7 @@ def test_rows_do_not_change_a_rows_bits(checkpoints, name, request):
     tree node gives the bits of the same token decoded alone after its ancestors: what exact
     speculation relies on. Heads of 64 and 40 dimensions take the value pass in several chunks
     of columns, cut one way for a lone query and another for a pair."""
-    model = load_model(checkpoints[name] if name in checkpoints else request.getfixturevalue(name))
+    model = load_model(_checkpoint(checkpoints, request, name))
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (20,), generator=g).tolist()
     new = torch.randint(0, model.config.vocab_size, (6,), generator=g).tolist()
@@ -100,7 +105,7 @@ def test_rows_do_not_change_a_rows_bits(checkpoints, name, request):
 def test_native_matches_transformers(checkpoints, name, request):
     from transformers import GPT2LMHeadModel
 
-    path = checkpoints[name] if name in checkpoints else request.getfixturevalue(name)
+    path = _checkpoint(checkpoints, request, name)
     model = load_model(path)
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     runner = ModelRunner(model, TorchBackend(native=True))
