@@ -58,7 +58,8 @@ def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engi
            f"{r['n_prompts']} prompts ({' + '.join(r['prompt_sets'])}), {r['new_tokens']} new tokens, fp32; "
            f"{_machine(r['machine'])}. Medians over prompts after a warm-up; "
            + (f"each prompt ran {r['repeats']} times with the systems alternating (in reverse order every other "
-              "time); " if r.get("repeats", 1) > 1 else "")
+              f"time), its time the {'median' if 'per_prompt_seconds' in r else 'mean'} of the repeats; "
+              if r.get("repeats", 1) > 1 else "")
            + "speedups are medians of per-prompt ratios (and all tokens over all seconds) measured in the "
            f"same run. Source: `bench/results/{source}`.\n"]
     out.append(r["markdown"])
