@@ -14,6 +14,11 @@ import pytest
 from ckpt_util import make_hf_checkpoint, perturbed_copy
 
 pytest.importorskip("fastapi")
+# The openai client builds its pydantic response models lazily, at first use, and pydantic's lazy
+# build is not thread-safe: sixteen threads parsing their first completion at once can see a class
+# half rebuilt ("BaseModel cannot be instantiated directly"), a client-side race that has nothing to
+# do with the server under test. Build them eagerly, at import.
+os.environ.setdefault("DEFER_PYDANTIC_BUILD", "false")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")  # the HTTP client the openai package ships with
 
@@ -102,6 +107,11 @@ def test_models_and_health(server):
 
 def test_sixteen_concurrent_clients_equal_stand_alone(server, local):
     want = [_expected(local, r) for r in REQUESTS]
+    # One request of each kind from this thread first, in case openai was imported before this
+    # module set DEFER_PYDANTIC_BUILD: its response models are then built before the threads race.
+    warm = _client(server)
+    warm.completions.create(model="oracle", prompt="x", max_tokens=1)
+    list(warm.completions.create(model="oracle", prompt="x", max_tokens=1, stream=True))
     got: dict[int, str] = {}
     errors: list[Exception] = []
 
