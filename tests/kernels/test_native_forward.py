@@ -463,3 +463,18 @@ def test_a_tree_mask_of_the_wrong_shape_is_refused_on_both_paths(checkpoints):
         with pytest.raises(ValueError, match=r"tree_mask must be \(2, 2\)"):
             model.forward(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]), cache, bad)
         assert cache.pending == 0
+
+
+def test_kv_prefetch_is_on_by_default_and_can_be_set():
+    """``kv_ahead``: slots of software prefetch in attention's K/V streams, 8 by default;
+    ``set_kv_ahead`` takes 0-1024 and refuses the rest with the argument named. (Prefetching has
+    no effect on results; the bit-identity tests above run with it on.)"""
+    assert _cpu.kv_ahead() == 8
+    try:
+        for bad in (-1, 1025):
+            with pytest.raises(ValueError, match="slots must be 0-1024"):
+                _cpu.set_kv_ahead(bad)
+        assert _cpu.set_kv_ahead(0) == 0
+    finally:
+        assert _cpu.set_kv_ahead(8) == 8
+
