@@ -269,6 +269,21 @@ def _bound_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
+def _freeze_startup_heap() -> None:
+    """Moves what the process holds at startup (torch, which imports dynamo and triton, the
+    models, the app: about 300k objects the cyclic GC tracks) to its permanent generation. A
+    long-running server now and then triggers a full collection, which walked them all: 215-290 ms
+    with the demo pair loaded, every stream paused, against well under a millisecond once frozen.
+    What requests allocate later is collected as before. Unfrozen at exit, so that shutdown still
+    frees them (triton's bindings report what is left then as leaks)."""
+    import atexit
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
+
+
 def serve(engine: Engine, host: str, port: int, model_name: str, max_queue: int, timeout: float,
           drain_seconds: float = 30.0) -> int:
     import signal
@@ -286,6 +301,7 @@ def serve(engine: Engine, host: str, port: int, model_name: str, max_queue: int,
 
     _bound_malloc_arenas()
     app = create_app(engine, model_name, max_queue, timeout)
+    _freeze_startup_heap()
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=drain_seconds)
     Server(config).run()  # SIGTERM/SIGINT: stop accepting, drain in-flight requests, return
     return 0
