@@ -835,7 +835,7 @@ class NativeGPT2 {
  public:
   NativeGPT2(const torch::Tensor& wte, const torch::Tensor& wpe, const std::vector<torch::Tensor>& blocks,
              const torch::Tensor& lnf_w, const torch::Tensor& lnf_b, int64_t n_head, double eps,
-             const std::string& activation)
+             const std::string& activation, int64_t head_rows)
       : n_head_(n_head), eps_(static_cast<float>(eps)) {
     SE_CHECK(wte.dim() == 2 && wte.scalar_type() == torch::kFloat32, "wte must be float32 (vocab, n_embd)");
     SE_CHECK(wpe.dim() == 2 && wpe.scalar_type() == torch::kFloat32 && wpe.size(1) == wte.size(1),
@@ -843,6 +843,8 @@ class NativeGPT2 {
     V_ = wte.size(0);
     C_ = wte.size(1);
     P_ = wpe.size(0);
+    SE_CHECK(head_rows >= 0 && head_rows <= V_, "head_rows must be 0 (every row) or 1-", V_, ", got ", head_rows);
+    head_rows_ = head_rows == 0 ? V_ : head_rows;
     SE_CHECK(blocks.size() % 12 == 0 && !blocks.empty(), "blocks needs 12 tensors per block, got ", blocks.size());
     SE_CHECK(n_head >= 1 && C_ % n_head == 0, "n_head (", n_head, ") must divide n_embd (", C_, ")");
     if (activation == "gelu_tanh") act_ = Epilogue::kGeluTanh;
@@ -872,7 +874,10 @@ class NativeGPT2 {
     }
     lnfw_ = to_vec(lnf_w, C_, "ln_f.weight");
     lnfb_ = to_vec(lnf_b, C_, "ln_f.bias");
-    head_ = pack_linear(wte_, c10::nullopt, "wte (LM head)", nt);
+    // A drafting model may score only the first head_rows tokens (``Engine(draft_head_rows=)``):
+    // its LM head, most of a small draft's weights, is packed over those rows alone, and the
+    // logits of the rest are -inf, so the draft never proposes them.
+    head_ = pack_linear(head_rows_ < V_ ? wte_.narrow(0, 0, head_rows_) : wte_, c10::nullopt, "wte (LM head)", nt);
     lay_out(nt);
     narrow_rows();  // the block form's probe, if this process has not run it, outside any pass
     // Weights that outgrow the threads' L2 caches stream from L3 or DRAM on every pass, further
@@ -1117,11 +1122,14 @@ class NativeGPT2 {
         layer_norm_row(&x[r * C], lnfw_.data(), lnfb_.data(), eps_, C, &h[o * C]);
       }
       linear_part(head_, h.data(), C, lp, V_, out_rows, Epilogue::kStore, tid, nth);
+      if (head_rows_ < V_)  // the columns past the packed head: never written by linear_part
+        for (int64_t o = tid; o < out_rows; o += nth)
+          std::fill(lp + o * V_ + head_rows_, lp + (o + 1) * V_, -std::numeric_limits<float>::infinity());
     }
     return logits;
   }
 
-  int64_t V_ = 0, C_ = 0, P_ = 0, D_ = 0, inner_ = 0, n_head_ = 0;
+  int64_t V_ = 0, C_ = 0, P_ = 0, D_ = 0, inner_ = 0, n_head_ = 0, head_rows_ = 0;
   float eps_ = 1e-5f;
   Epilogue act_ = Epilogue::kGeluTanh;
   torch::Tensor wte_, wpe_;
@@ -1319,9 +1327,9 @@ void register_native_forward(py::module& m) {
   py::class_<NativeGPT2>(m, "NativeGPT2",
                          "A GPT-2 model packed for the native decode path: one call per forward pass")
       .def(py::init<const torch::Tensor&, const torch::Tensor&, const std::vector<torch::Tensor>&,
-                    const torch::Tensor&, const torch::Tensor&, int64_t, double, const std::string&>(),
+                    const torch::Tensor&, const torch::Tensor&, int64_t, double, const std::string&, int64_t>(),
            py::arg("wte"), py::arg("wpe"), py::arg("blocks"), py::arg("ln_f_weight"), py::arg("ln_f_bias"),
-           py::arg("n_head"), py::arg("eps"), py::arg("activation"))
+           py::arg("n_head"), py::arg("eps"), py::arg("activation"), py::arg("head_rows") = 0)
       .def("forward", &NativeGPT2::forward, "logits (B, N or 1, V) of N new tokens per row; writes their K/V",
            py::arg("tokens"), py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("writes"),
            py::arg("starts"), py::arg("m"), py::arg("mask") = py::none(), py::arg("last_only") = false,

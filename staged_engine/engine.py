@@ -145,7 +145,7 @@ class Engine:
 
     def __init__(self, oracle: GPT2, draft: GPT2 | None = None, tokenizer=None,
                  backend: Backend | None = None, ngram=None, draft2: GPT2 | None = None,
-                 pool_size: int = 4, pool_timeout: float | None = 60.0) -> None:
+                 pool_size: int = 4, pool_timeout: float | None = 60.0, draft_head_rows: int | None = None) -> None:
         self.oracle = oracle
         self.draft = draft
         self.draft2 = draft2
@@ -160,6 +160,20 @@ class Engine:
                                  f"oracle's ({oracle.config.vocab_size}); they must share a tokenizer")
         if draft2 is not None and draft is None:
             raise ValueError("draft2 needs a draft: the cascade is oracle <- draft <- draft2")
+        if draft_head_rows is not None:
+            # The draft scores only token ids below draft_head_rows (its LM head cut to those rows,
+            # the rest -inf): a small draft's head is most of its weights, so each draft pass reads
+            # less, while verification keeps every output exact; the draft just cannot propose
+            # the rest. BPE vocabularies number tokens roughly by frequency.
+            draft_head_rows = check_int("draft_head_rows", draft_head_rows, 1)
+            if draft is None:
+                raise ValueError("draft_head_rows needs a draft model")
+            if draft_head_rows > draft.config.vocab_size:
+                raise ValueError(f"draft_head_rows must be at most the vocabulary size "
+                                 f"{draft.config.vocab_size}, got {draft_head_rows}")
+            if draft is oracle:
+                raise ValueError("draft_head_rows needs a draft other than the oracle model object")
+            draft.head_rows = draft_head_rows
         eos = oracle.config.eos_token_id
         self.eos_token_id = eos if isinstance(eos, int) and 0 <= eos < oracle.config.vocab_size else None
         self._pool = StatePool(pool_size, pool_timeout)
@@ -176,12 +190,13 @@ class Engine:
     def from_pretrained(cls, oracle: str, draft: str | None = None, ngram: str | None = None,
                         device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
                         backend: str = "auto", draft2: str | None = None, pool_size: int = 4,
-                        pool_timeout: float | None = 60.0) -> "Engine":
+                        pool_timeout: float | None = 60.0, draft_head_rows: int | None = None) -> "Engine":
         """Load HF GPT-2 checkpoint directories (config.json + model.safetensors).
 
         ``draft2`` adds a third model stage between the draft and the n-gram model. Up to
         ``pool_size`` generations (threads, open streams) run at once, each with its own KV
-        caches; another waits up to ``pool_timeout`` seconds for one to finish.
+        caches; another waits up to ``pool_timeout`` seconds for one to finish. With
+        ``draft_head_rows`` the draft scores only token ids below it (outputs are unchanged).
         """
         dev = _parse_device(device)
         dt = _parse_dtype(dtype, dev)
@@ -198,11 +213,12 @@ class Engine:
             if ngram_model.vocab_size > oracle_model.config.vocab_size:
                 raise ValueError(f"ngram file {ngram}: vocabulary {ngram_model.vocab_size} exceeds "
                                  f"the oracle's {oracle_model.config.vocab_size}")
-        return cls(oracle_model, draft_model, tokenizer, be, ngram_model, draft2_model, pool_size, pool_timeout)
+        return cls(oracle_model, draft_model, tokenizer, be, ngram_model, draft2_model, pool_size, pool_timeout,
+                   draft_head_rows)
 
     @classmethod
     def demo(cls, device: str | torch.device = "cpu", backend: str = "auto", ngram: bool = True,
-             pool_size: int = 4, pool_timeout: float | None = 60.0) -> "Engine":
+             pool_size: int = 4, pool_timeout: float | None = 60.0, draft_head_rows: int | None = None) -> "Engine":
         """The embedded default pair shipped inside the package (nothing is downloaded).
 
         With ``ngram`` the staged n-gram stage is loaded from the local cache, or built from the
@@ -213,7 +229,7 @@ class Engine:
             raise FileNotFoundError(f"the demo models are not in this build: {oracle_dir}")
         draft_dir = os.path.join(DEMO_DIR, "draft")
         eng = cls.from_pretrained(oracle_dir, draft=draft_dir, device=device, backend=backend,
-                                  pool_size=pool_size, pool_timeout=pool_timeout)
+                                  pool_size=pool_size, pool_timeout=pool_timeout, draft_head_rows=draft_head_rows)
         if ngram:
             eng.ngram = demo_ngram(os.path.join(oracle_dir, "tokenizer.json"))
         return eng

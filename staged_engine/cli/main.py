@@ -51,6 +51,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft checkpoint directory sharing the oracle's vocabulary")
     p.add_argument("--draft2", help="optional third model stage between the draft and the n-gram")
     p.add_argument("--ngram", help="n-gram table file (default for the demo: built and cached)")
+    p.add_argument("--draft-head-rows", type=int, metavar="N",
+                   help="the draft scores only token ids below N: its LM head, most of a small draft's "
+                        "weights, is read over N rows (outputs are unchanged; default: every row)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     p.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
@@ -84,9 +87,11 @@ def _load_engine(args, pool_size: int = 4):
     if args.oracle is None:
         if args.draft or args.draft2:
             raise ValueError("--draft/--draft2 need --oracle")
-        return Engine.demo(device=args.device, backend=args.backend, pool_size=pool_size)
+        return Engine.demo(device=args.device, backend=args.backend, pool_size=pool_size,
+                           draft_head_rows=args.draft_head_rows)
     return Engine.from_pretrained(args.oracle, draft=args.draft, ngram=args.ngram, device=args.device,
-                                  dtype=args.dtype, backend=args.backend, draft2=args.draft2, pool_size=pool_size)
+                                  dtype=args.dtype, backend=args.backend, draft2=args.draft2, pool_size=pool_size,
+                                  draft_head_rows=args.draft_head_rows)
 
 
 def _options(args) -> dict:

@@ -124,7 +124,8 @@ class TorchBackend(Backend):
     def native_model(self, model):
         """The model packed for ``_cpu.NativeGPT2``, built at first use (see ``refresh``)."""
         entry = self._natives.get(id(model))
-        if entry is None or entry[0] is not model or entry[1] is not model._layer_tensors():
+        if entry is None or entry[0] is not model or entry[1] is not model._layer_tensors() \
+                or entry[5] != model.head_rows:
             entry = self._pack(model)
         return entry[3]
 
@@ -135,15 +136,16 @@ class TorchBackend(Backend):
         if entry is None:  # pack now, not inside the first timed decode step
             if self.native and model.wte.weight.device.type == "cpu" and model.wte.weight.dtype == torch.float32:
                 self._pack(model)
-        elif entry[0] is not model or entry[2] != sum(map(_VERSION, entry[4])):
+        elif entry[0] is not model or entry[2] != sum(map(_VERSION, entry[4])) or entry[5] != model.head_rows:
             self._pack(model)
 
     def _pack(self, model) -> tuple:
         tensors = self._model_tensors(model)
         wte, wpe, lnf_w, lnf_b, *blocks = tensors
         cfg = model.config
-        native = _cpu.NativeGPT2(wte, wpe, blocks, lnf_w, lnf_b, cfg.n_head, cfg.layer_norm_epsilon, model.act_kind)
-        entry = (model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors)
+        native = _cpu.NativeGPT2(wte, wpe, blocks, lnf_w, lnf_b, cfg.n_head, cfg.layer_norm_epsilon, model.act_kind,
+                                 model.head_rows or 0)
+        entry = (model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors, model.head_rows)
         self._natives[id(model)] = entry
         return entry
 

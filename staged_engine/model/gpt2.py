@@ -75,6 +75,9 @@ class GPT2(nn.Module):
         self.act_kind = _activation_kind(config.activation_function)
         self.act = _activation(self.act_kind)
         self._flat: list[tuple[torch.Tensor, ...]] | None = None
+        # None, or a drafting model's head over token ids [0, head_rows) alone: the rest get -inf
+        # logits and are never proposed (``Engine(draft_head_rows=)``; never set on an oracle).
+        self.head_rows: int | None = None
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ... make new tensors: drop the cache
         self._flat = None
@@ -92,8 +95,10 @@ class GPT2(nn.Module):
         return self._flat
 
     def weight_bytes(self) -> int:
-        """Bytes of weights one forward pass reads at the model's dtype (LM head tied)."""
-        return self.config.weight_bytes_fp32 * self.wte.weight.element_size() // 4
+        """Bytes of weights one forward pass reads at the model's dtype (LM head tied; over its
+        first ``head_rows`` rows when set)."""
+        skipped = 0 if self.head_rows is None else (self.config.vocab_size - self.head_rows) * self.config.n_embd * 4
+        return (self.config.weight_bytes_fp32 - skipped) * self.wte.weight.element_size() // 4
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)."""
@@ -144,7 +149,10 @@ class GPT2(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = F.layer_norm(x, (cfg.n_embd,), self.ln_f.weight, self.ln_f.bias, cfg.layer_norm_epsilon)
-        return be.linear(x, self.wte.weight, None)  # (B, N, V)
+        logits = be.linear(x, self.wte.weight, None)  # (B, N, V)
+        if self.head_rows is not None:
+            logits[..., self.head_rows:] = float("-inf")
+        return logits
 
     def forward_train(self, idx: torch.Tensor) -> torch.Tensor:
         """Full causal pass without a cache, for training: idx (B, T) -> logits (B, T, V)."""

@@ -63,12 +63,14 @@ def cpu_identity() -> dict:
 
 
 def model_fingerprint(model) -> str:
-    """A short hash of a model's shape, dtype, device and a sample of its weights (every tensor's
-    first and last 64 values): two checkpoints of one shape do not share a profile."""
+    """A short hash of a model's shape, dtype, device, LM head rows (``GPT2.head_rows``) and a
+    sample of its weights (every tensor's first and last 64 values): two checkpoints of one shape
+    do not share a profile, nor does a draft with a cut head share the whole head's."""
     h = hashlib.sha256()
     c = model.config
     h.update(json.dumps([c.vocab_size, c.n_positions, c.n_embd, c.n_layer, c.n_head, c.mlp_dim,
-                         c.activation_function, str(model.wte.weight.dtype), str(model.wte.weight.device)]).encode())
+                         c.activation_function, str(model.wte.weight.dtype), str(model.wte.weight.device),
+                         getattr(model, "head_rows", None)]).encode())
     with torch.no_grad():
         for p in model.parameters():
             flat = p.detach().reshape(-1)

@@ -478,3 +478,32 @@ def test_kv_prefetch_is_on_by_default_and_can_be_set():
     finally:
         assert _cpu.set_kv_ahead(8) == 8
 
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_cut_lm_head_scores_its_rows_alone(checkpoints, rows):
+    """``GPT2.head_rows``: the native pass packs the LM head over token ids [0, N) alone; their
+    logits are the bits of the whole head's, the rest are -inf, on the native and the stock torch
+    path alike; ``NativeGPT2`` refuses a head of more rows than the vocabulary."""
+    model = load_model(checkpoints["odd96"])
+    vocab, n = model.config.vocab_size, 37
+    ids, pos = list(range(3, 3 + rows)), list(range(rows))
+    with torch.inference_mode():
+        whole = ModelRunner(model, TorchBackend(native=True)).forward_nodes(ids, pos, None)
+        model.head_rows = n
+        try:
+            cut = ModelRunner(model, TorchBackend(native=True)).forward_nodes(ids, pos, None)
+            stock = ModelRunner(model, TorchBackend(native=False)).forward_nodes(ids, pos, None)
+            assert model.weight_bytes() < (model.config.weight_bytes_fp32 * model.wte.weight.element_size() // 4)
+        finally:
+            model.head_rows = None
+    assert torch.equal(cut[:, :n], whole[:, :n])
+    assert torch.isneginf(cut[:, n:]).all() and torch.isneginf(stock[:, n:]).all()
+    assert _close(cut[:, :n], stock[:, :n])
+    native = TorchBackend(native=True).native_model(model)
+    assert native is not None
+    tensors = TorchBackend._model_tensors(model)
+    wte, wpe, lnf_w, lnf_b, *blocks = tensors
+    with pytest.raises(ValueError, match="head_rows must be 0"):
+        _cpu.NativeGPT2(wte, wpe, blocks, lnf_w, lnf_b, model.config.n_head, model.config.layer_norm_epsilon,
+                        model.act_kind, vocab + 1)

@@ -170,3 +170,40 @@ def test_ngram_stage_saves_draft_passes():
         tree_calls += tree.stats["draft_calls"]
         staged_calls += staged.stats["draft_calls"]
     assert staged_calls < 0.9 * tree_calls, (staged_calls, tree_calls)  # measured: 247 vs 293
+
+
+@pytest.fixture(scope="module")
+def cut_engine(pair, engine):
+    """The same pair and n-gram model, the draft scoring only token ids below 500 of 997
+    (``draft_head_rows``)."""
+    oracle, draft = pair
+    eng = Engine.from_pretrained(oracle, draft=draft, draft_head_rows=500)
+    eng.ngram = engine.ngram
+    return eng
+
+
+@pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[3], SHAPES[6]])
+def test_a_draft_with_a_cut_head_changes_no_output(engine, cut_engine, strategy, opts):
+    """A draft that cannot propose half the vocabulary still yields plain decoding's tokens,
+    greedy and seeded, and still has its proposals accepted; the oracle is untouched."""
+    assert cut_engine.draft.head_rows == 500 and cut_engine.oracle.head_rows is None
+    assert cut_engine.draft.weight_bytes() < engine.draft.weight_bytes()
+    calls = 0
+    for seed, prompt in enumerate(_prompts(4, 5)):
+        ref = engine.generate(prompt, max_new_tokens=40, strategy="plain")
+        res = cut_engine.generate(prompt, max_new_tokens=40, strategy=strategy, **opts)
+        assert res.token_ids == ref.token_ids
+        calls += res.stats["oracle_calls"]
+        kw = dict(max_new_tokens=40, temperature=0.8, top_k=0, top_p=0.95, seed=seed)
+        ref = engine.generate(prompt, strategy="plain", **kw)
+        assert cut_engine.generate(prompt, strategy=strategy, **opts, **kw).token_ids == ref.token_ids
+    assert calls < 4 * 40
+
+
+def test_draft_head_rows_errors(pair):
+    oracle, draft = pair
+    for value, needle in [(0, "draft_head_rows"), (998, "draft_head_rows must be at most"), (2.5, "draft_head_rows")]:
+        with pytest.raises(ValueError, match=needle):
+            Engine.from_pretrained(oracle, draft=draft, draft_head_rows=value)
+    with pytest.raises(ValueError, match="needs a draft"):
+        Engine.from_pretrained(oracle, draft_head_rows=100)
