@@ -164,7 +164,10 @@ class Engine:
             # The draft scores only token ids below draft_head_rows (its LM head cut to those rows,
             # the rest -inf): a small draft's head is most of its weights, so each draft pass reads
             # less, while verification keeps every output exact; the draft just cannot propose
-            # the rest. BPE vocabularies number tokens roughly by frequency.
+            # the rest. BPE vocabularies number tokens roughly by frequency. (DSBD's law holds
+            # too: its layer rule is exact for drafts with zero-probability tokens, which the law
+            # tests enumerate.) It is set on the draft model object (``GPT2.head_rows``), so
+            # engines given one draft object share it.
             draft_head_rows = check_int("draft_head_rows", draft_head_rows, 1)
             if draft is None:
                 raise ValueError("draft_head_rows needs a draft model")
