@@ -17,6 +17,7 @@ from __future__ import annotations
 import operator
 import os
 import warnings
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +97,17 @@ def chain_mask(n: int, m: int, device) -> torch.Tensor:
     return torch.ones(n, m, dtype=torch.bool, device=device).tril_(m - n)
 
 
+class _Packed(NamedTuple):
+    """A model packed for ``_cpu.NativeGPT2`` and what it was packed from: repacked when the model
+    object, its layer tensors, their version counters (in-place updates) or its head rows change."""
+    model: Any
+    layers: list
+    versions: int
+    native: Any
+    tensors: list
+    head_rows: int | None
+
+
 class TorchBackend(Backend):
     """PyTorch on any device. On CPU in float32 (``native``) a pass over at most 64 rows runs in
     one call of the ``_cpu`` extension (``NativeGPT2``, csrc/cpu_forward.cpp), whose per-row
@@ -117,17 +129,16 @@ class TorchBackend(Backend):
                 warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU",
                               stacklevel=2)
         self.native = bool(native)
-        # id(model) -> (model, layer tensors, version sum, NativeGPT2, every weight tensor)
-        self._natives: dict[int, tuple] = {}
+        self._natives: dict[int, _Packed] = {}  # by id(model)
         self._warned_dtype = False
 
     def native_model(self, model):
         """The model packed for ``_cpu.NativeGPT2``, built at first use (see ``refresh``)."""
         entry = self._natives.get(id(model))
-        if entry is None or entry[0] is not model or entry[1] is not model._layer_tensors() \
-                or entry[5] != model.head_rows:
+        if entry is None or entry.model is not model or entry.layers is not model._layer_tensors() \
+                or entry.head_rows != model.head_rows:
             entry = self._pack(model)
-        return entry[3]
+        return entry.native
 
     def refresh(self, model) -> None:
         """Re-pack ``model`` if a weight was modified in place since it was packed (checked once
@@ -136,16 +147,17 @@ class TorchBackend(Backend):
         if entry is None:  # pack now, not inside the first timed decode step
             if self.native and model.wte.weight.device.type == "cpu" and model.wte.weight.dtype == torch.float32:
                 self._pack(model)
-        elif entry[0] is not model or entry[2] != sum(map(_VERSION, entry[4])) or entry[5] != model.head_rows:
+        elif entry.model is not model or entry.versions != sum(map(_VERSION, entry.tensors)) \
+                or entry.head_rows != model.head_rows:
             self._pack(model)
 
-    def _pack(self, model) -> tuple:
+    def _pack(self, model) -> _Packed:
         tensors = self._model_tensors(model)
         wte, wpe, lnf_w, lnf_b, *blocks = tensors
         cfg = model.config
         native = _cpu.NativeGPT2(wte, wpe, blocks, lnf_w, lnf_b, cfg.n_head, cfg.layer_norm_epsilon, model.act_kind,
                                  model.head_rows or 0)
-        entry = (model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors, model.head_rows)
+        entry = _Packed(model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors, model.head_rows)
         self._natives[id(model)] = entry
         return entry
 
