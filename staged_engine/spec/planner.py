@@ -25,8 +25,8 @@ calibrated online per confidence bin by what the oracle accepted.
 
 What is learned (``PlannerMemory``) outlives a generation: the engine keeps one per strategy and
 sampling rule, so the second request starts where the first ended, and the arms' scores outlive
-the process (``save_memory``, ``load_memory``), so the next engine on this machine does not
-compare every arm again. Which nodes are verified never
+the process (``save_memory``, ``load_memory``), so the next engine on this machine starts from
+them (as a prior: ``Stints.restore``). Which nodes are verified never
 changes the output: only the oracle decides what is emitted.
 """
 from __future__ import annotations
@@ -419,8 +419,8 @@ class Stints:
                 "rounds": list(self.rounds), "favoured": self.favoured, "stint": self.stint}
 
     def restore(self, state: dict) -> None:
-        """Continue from a ``state()`` (ValueError if it is malformed or for other arms): the
-        best arm plays on from its stint, then the checks go on as before."""
+        """Start from a ``state()`` (ValueError if it is malformed or for other arms): the kept
+        best arm plays first, and every arm is checked again once, a first stint apart."""
         if not isinstance(state, dict) or state.get("arms") != self.n_arms:
             raise ValueError(f"planner state must be for {self.n_arms} arms")
         score, pairs, rounds = state.get("score"), state.get("pairs"), state.get("rounds")
@@ -435,8 +435,18 @@ class Stints:
         stint = state.get("stint")
         if isinstance(stint, bool) or not isinstance(stint, int) or not 1 <= stint <= 4 * self.max_stint:
             raise ValueError(f"planner stint must be an integer in [1, {4 * self.max_stint}]")
-        self.score, self.pairs, self.rounds = [float(v) for v in score], list(pairs), list(rounds)
-        self.favoured, self.stint = None, stint  # _schedule keeps the stint when nothing was favoured
+        # A kept memory is a prior, not a verdict: it was learned in another process, under
+        # another load and often on other text (this project's VMs ran one chain at 0.7x plain
+        # in one hour and 1.3x in the next). Its scores set the first favourite and the order
+        # of the checks; its pairs and its stint do not carry over. So every arm is compared
+        # again here, once, a first stint of the favourite apart (a quarter block each for those
+        # kept far behind), and the first pair weighs what the kept score weighs (``_pair``).
+        # Resumed as they were, a memory kept in a slow hour held plain steps 128 blocks before
+        # the first check of a chain that had become the faster, then moved its score 0.3 of
+        # the way at each check of ever longer stints: over 4,000 rounds it never played it.
+        self.score, self.rounds = [float(v) for v in score], list(rounds)
+        self.pairs = [0] * self.n_arms
+        self.favoured, self.stint = None, self.first_stint  # _schedule keeps it while nothing is favoured
         self.prev_arm, self.tokens, self.seconds = -1, 0.0, 0.0
         self._schedule()
         self._next_block()
