@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -297,30 +298,124 @@ inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinea
 // weights took 44 us instead of 73 on one thread, 34 instead of 53 on two; two and three rows
 // ran 1.1-1.4x faster on two threads and, over the oracle's 16.8 MB on one thread, 1.44-1.49x
 // and 1.12-1.14x, except in minutes when other guests had cut this one's L3 read rate (one
-// group a block then took 1.05-1.19 ms instead of 0.69-0.74): 0.83-0.93x (``set_group_runs``
-// compares the forms).
+// group a block then took 1.05-1.19 ms instead of 0.69-0.74): 0.83-0.93x. So neither form is
+// the default: each model chooses (FormChooser, below).
 // (The AVX-512 build has 4 zmm chains a row, or 8 ymm ones in block_narrow, and keeps its blocks.)
 template <int NR>
 constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
 #endif
 
 // Whether blocks of one to three rows take several groups at once (AVX2 builds; the AVX-512 build
-// has no such form). On by default; ``set_group_runs`` turns it off for the tests and benches
-// that compare the two forms: the bits are the same either way, so it changes speed only.
-std::atomic<bool> g_group_runs{true};
+// has no such form): kAuto (the default) lets each model choose pass by pass (FormChooser), kOn
+// and kOff pin the form for the tests and benches that compare the two. The bits are the same
+// either way, so the choice changes speed only.
+enum GroupRuns : int { kRunsOff = 0, kRunsOn = 1, kRunsAuto = 2 };
+std::atomic<int> g_group_runs{kRunsAuto};
 
-bool group_runs() {
+int group_runs_mode() {
 #if defined(__AVX512F__)
-  return false;
+  return kRunsOff;
 #else
   return g_group_runs.load(std::memory_order_relaxed);
 #endif
 }
 
-bool set_group_runs(bool on) {
-  g_group_runs.store(on, std::memory_order_relaxed);
+const char* group_runs_name(int mode) { return mode == kRunsOn ? "on" : mode == kRunsOff ? "off" : "auto"; }
+
+std::string group_runs() { return group_runs_name(group_runs_mode()); }
+
+std::string set_group_runs(const std::string& mode) {
+  SE_CHECK(mode == "auto" || mode == "on" || mode == "off", "group_runs must be 'auto', 'on' or 'off', got '",
+           mode, "'");
+  g_group_runs.store(mode == "on" ? kRunsOn : mode == "off" ? kRunsOff : kRunsAuto, std::memory_order_relaxed);
   return group_runs();
 }
+
+// Which form a pass over one to three rows takes, per model and row count, from the passes' own
+// clock. Neither form is faster everywhere: on the project's AVX2 Zen 3 VMs several groups at
+// once ran the oracle's one-row pass 5-8% faster in one hour and 4-5% slower in another, and the
+// draft's first pass after an oracle pass 12% slower while its warm passes were even; over the
+// oracle's weights on one thread the forms were 1.44x apart one way when other guests left the
+// L3 alone and 0.83-0.93x the other way when they did not. So a model compares them in pairs of
+// adjacent passes of the same row count, one each way (the first four pairs back to back, then
+// a pair every kPeriod passes), and plays the form whose running log ratio of seconds is lower.
+// A pair is two passes a few hundred microseconds to a round apart, so the machine's drift over
+// seconds cancels out; one pass's log ratio is clipped to kClip (a pass that lost its core).
+// Exploring costs two passes in kPeriod + 2 at most the two forms' difference. Thread-safe: two
+// threads may share a packed model; a pair is whichever passes of its row count come next.
+class FormChooser {
+ public:
+  static constexpr int64_t kPeriod = 32;
+  static constexpr int64_t kWarm = 4;
+  static constexpr double kClip = 0.4;
+  static constexpr double kMinWeight = 0.25;
+  enum Role : int { kExploit = 0, kFirst = 1, kSecond = 2 };
+  struct Pick {
+    bool on;
+    int role;
+  };
+
+  Pick pick(int64_t rows) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Bucket& b = bucket(rows);
+    if (b.state == kHaveFirst) {
+      b.state = kSecondOut;
+      return {!b.first_on, kSecond};
+    }
+    if (b.state == kIdle && (b.pairs < kWarm || b.since >= kPeriod)) {
+      b.state = kFirstOut;
+      return {b.pairs % 2 == 0, kFirst};  // the form that goes first alternates
+    }
+    return {b.pairs == 0 || b.score <= 0.0, kExploit};  // on unless off has been seen faster
+  }
+
+  void record(int64_t rows, Pick p, double seconds) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Bucket& b = bucket(rows);
+    ++b.passes;
+    b.on_passes += p.on;
+    if (p.role == kFirst) {
+      b.first_on = p.on;
+      b.first_seconds = seconds;
+      b.state = kHaveFirst;
+    } else if (p.role == kSecond) {
+      const double on_s = p.on ? seconds : b.first_seconds, off_s = p.on ? b.first_seconds : seconds;
+      if (on_s > 0.0 && off_s > 0.0) {
+        const double r = std::max(-kClip, std::min(kClip, std::log(on_s / off_s)));
+        ++b.pairs;
+        const double w = std::max(kMinWeight, 1.0 / static_cast<double>(b.pairs));
+        b.score += w * (r - b.score);
+      }
+      b.since = 0;
+      b.state = kIdle;
+    } else {
+      ++b.since;
+    }
+  }
+
+  // (running log(on seconds / off seconds), pairs compared, passes, passes with the form on) of
+  // passes over ``rows`` rows.
+  std::tuple<double, int64_t, int64_t, int64_t> state(int64_t rows) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Bucket& b = bucket(rows);
+    return {b.score, b.pairs, b.passes, b.on_passes};
+  }
+
+ private:
+  enum State : int { kIdle, kFirstOut, kHaveFirst, kSecondOut };
+  struct Bucket {
+    double score = 0.0, first_seconds = 0.0;
+    int64_t pairs = 0, passes = 0, on_passes = 0, since = 0;
+    bool first_on = true;
+    State state = kIdle;
+  };
+  Bucket& bucket(int64_t rows) {
+    SE_CHECK(rows >= 1 && rows <= 3, "rows must be 1-3, got ", rows);
+    return buckets_[rows - 1];
+  }
+  std::mutex mu_;
+  Bucket buckets_[3];
+};
 
 #if !defined(__AVX512F__)
 
@@ -459,9 +554,9 @@ void block_rows(int rows, int narrow, int np, const W* w, int64_t ahead, const P
 // after the first. Each output is one FMA chain over k = 0..K-1
 // whatever the block, so a row's bits do not depend on R.
 void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
-                   Epilogue ep, int64_t g0, int64_t g1) {
+                   Epilogue ep, int64_t g0, int64_t g1, bool runs) {
 #if !defined(__AVX512F__)
-  if (R <= 3 && group_runs()) {  // one block of 1-3 rows: several groups at once (kGroupsAtOnce)
+  if (R <= 3 && runs) {  // one block of 1-3 rows: several groups at once (kGroupsAtOnce)
     auto runs = [&](auto group) {  // group: &PackedLinear::group_h or group_f
       if (R == 1) few_rows_groups<1>(L, group, x, ldx, y, ldy, ep, g0, g1);
       else if (R == 2) few_rows_groups<2>(L, group, x, ldx, y, ldy, ep, g0, g1);
@@ -470,6 +565,8 @@ void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y,
     if (L.half) runs(&PackedLinear::group_h); else runs(&PackedLinear::group_f);
     return;
   }
+#else
+  (void)runs;
 #endif
   const int64_t blocks = (R + kMaxRows - 1) / kMaxRows;
   const int narrow = narrow_rows();
@@ -493,9 +590,9 @@ std::pair<int64_t, int64_t> thread_groups(const PackedLinear& L, int tid, int nt
 
 // This thread's share of y: a contiguous range of panel groups, every row. Ends without a barrier.
 void linear_part(const PackedLinear& L, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t R,
-                 Epilogue ep, int tid, int nt) {
+                 Epilogue ep, int tid, int nt, bool runs) {
   const auto [g0, g1] = thread_groups(L, tid, nt);
-  linear_groups(L, x, ldx, y, ldy, R, ep, g0, g1);
+  linear_groups(L, x, ldx, y, ldy, R, ep, g0, g1, runs);
 }
 
 // Times one block form: the fastest of 32 timings of 8 calls each over the probe's panel group.
@@ -1058,6 +1155,13 @@ class NativeGPT2 {
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
     const int nt = forward_threads();
     SpinBarrier barrier;
+    // The register-block form of this pass's products: pinned by set_group_runs, or chosen by
+    // this model for passes over one to three rows (FormChooser, which this pass's clock informs).
+    const int mode = group_runs_mode();
+    const bool choose = mode == kRunsAuto && R <= 3;
+    const FormChooser::Pick pick = choose ? chooser_.pick(R) : FormChooser::Pick{mode != kRunsOff, FormChooser::kExploit};
+    const bool runs = pick.on;
+    const auto t_start = std::chrono::steady_clock::now();
 
 #pragma omp parallel num_threads(nt)
     {
@@ -1098,36 +1202,45 @@ class NativeGPT2 {
           for (int64_t hh = tid; hh < H; hh += nth) {
             for (int64_t part = 0; part < 3; ++part) {  // q, k, v columns of head hh
               const auto [g0, g1] = head_groups(hh, part);
-              linear_groups(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, g0, g1);
+              linear_groups(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, g0, g1, runs);
             }
             for (int64_t b = 0; b < B; ++b) attend(l, b, hh);
           }
         } else {
-          linear_part(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, tid, nth);
+          linear_part(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, tid, nth, runs);
           barrier.wait(nth);
           for (int64_t w = tid; w < B * H; w += nth) attend(l, w / H, w % H);
         }
         barrier.wait(nth);
-        linear_part(blk.proj, att.data(), C, x.data(), C, R, Epilogue::kResidual, tid, nth);
+        linear_part(blk.proj, att.data(), C, x.data(), C, R, Epilogue::kResidual, tid, nth, runs);
         barrier.wait(nth);
         for (int64_t r = 0; r < R; ++r)
           layer_norm_row(&x[r * C], blk.ln2w.data(), blk.ln2b.data(), eps_, C, &h[r * C]);
-        linear_part(blk.fc, h.data(), C, ff.data(), F, R, act_, tid, nth);
+        linear_part(blk.fc, h.data(), C, ff.data(), F, R, act_, tid, nth, runs);
         barrier.wait(nth);
-        linear_part(blk.mproj, ff.data(), F, x.data(), C, R, Epilogue::kResidual, tid, nth);
+        linear_part(blk.mproj, ff.data(), F, x.data(), C, R, Epilogue::kResidual, tid, nth, runs);
         barrier.wait(nth);
       }
       for (int64_t o = 0; o < out_rows; ++o) {
         const int64_t r = last_only ? o * N + N - 1 : o;
         layer_norm_row(&x[r * C], lnfw_.data(), lnfb_.data(), eps_, C, &h[o * C]);
       }
-      linear_part(head_, h.data(), C, lp, V_, out_rows, Epilogue::kStore, tid, nth);
+      linear_part(head_, h.data(), C, lp, V_, out_rows, Epilogue::kStore, tid, nth, runs);
       if (head_rows_ < V_)  // the columns past the packed head: never written by linear_part
         for (int64_t o = tid; o < out_rows; o += nth)
           std::fill(lp + o * V_ + head_rows_, lp + (o + 1) * V_, -std::numeric_limits<float>::infinity());
     }
+    if (choose) chooser_.record(R, pick, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
     return logits;
   }
+
+ public:
+  // What this model's chooser has seen of passes over ``rows`` (1-3) rows: (running log of on
+  // seconds over off seconds, pairs compared, passes, passes with group runs on).
+  std::tuple<double, int64_t, int64_t, int64_t> group_runs_state(int64_t rows) { return chooser_.state(rows); }
+
+ private:
+  FormChooser chooser_;
 
   int64_t V_ = 0, C_ = 0, P_ = 0, D_ = 0, inner_ = 0, n_head_ = 0, head_rows_ = 0;
   float eps_ = 1e-5f;
@@ -1282,7 +1395,8 @@ std::tuple<std::vector<double>, bool, int64_t> linear_seconds(const torch::Tenso
   for (int64_t i = 0; i < repeats; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(nt)
-    linear_part(L, x.data(), L.K, y.data(), L.M, rows, Epilogue::kStore, omp_get_thread_num(), omp_get_num_threads());
+    linear_part(L, x.data(), L.K, y.data(), L.M, rows, Epilogue::kStore, omp_get_thread_num(), omp_get_num_threads(),
+                group_runs_mode() != kRunsOff);
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return {seconds, L.half, static_cast<int64_t>(L.bytes())};
@@ -1340,8 +1454,24 @@ void register_native_forward(py::module& m) {
            py::arg("tokens"), py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"),
            py::arg("m"), py::arg("mask") = py::none(), py::arg("last_only") = false,
            py::call_guard<py::gil_scoped_release>())
+      .def("group_runs_state", &NativeGPT2::group_runs_state,
+           "what this model has seen of its passes over `rows` (1-3) rows with group_runs 'auto': (running log of "
+           "seconds with the form on over off, pairs compared, passes, passes with the form on)", py::arg("rows"))
       .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
       .def_property_readonly("half", &NativeGPT2::half);
+  py::class_<FormChooser>(m, "FormChooser",
+                          "the rule a model chooses its group_runs form by, alone (for its tests): pick, then record")
+      .def(py::init<>())
+      .def("pick", [](FormChooser& c, int64_t rows) {
+             const FormChooser::Pick p = c.pick(rows);
+             return std::make_tuple(p.on, p.role);
+           }, "(on, role) of the next pass over `rows` (1-3) rows; role 0 plays, 1 and 2 compare", py::arg("rows"))
+      .def("record", [](FormChooser& c, int64_t rows, bool on, int role, double seconds) {
+             SE_CHECK(role >= 0 && role <= 2, "role must be 0-2, got ", role);
+             c.record(rows, FormChooser::Pick{on, role}, seconds);
+           }, "the seconds a picked pass took", py::arg("rows"), py::arg("on"), py::arg("role"), py::arg("seconds"))
+      .def("state", &FormChooser::state, "(running log of on over off seconds, pairs, passes, passes on)",
+           py::arg("rows"));
   m.def("read_seconds", &read_seconds,
         "seconds of each of `repeats` reads of an `nbytes` float32 buffer split over the threads: the read "
         "bandwidth a weight stream of that size reaches here", py::arg("nbytes"), py::arg("repeats"),
@@ -1353,9 +1483,11 @@ void register_native_forward(py::module& m) {
         "pin narrow_rows to 0-2, or -1 for the probed choice; returns the value in force", py::arg("n"));
   m.def("group_runs", &group_runs,
         "whether blocks of one to three rows take several panel groups at once (AVX2 builds; the same bits as one "
-        "group a block, faster where one group leaves the FMAs waiting on their latency)");
+        "group a block): 'auto' (each model chooses from its passes' clock), 'on' or 'off'; always 'off' in "
+        "AVX-512 builds");
   m.def("set_group_runs", &set_group_runs,
-        "turn group_runs on or off (for comparisons of the two forms); returns the value in force", py::arg("on"));
+        "set group_runs to 'auto', 'on' or 'off' (pinned, for comparisons of the two forms); returns the mode in "
+        "force", py::arg("mode"));
   m.def("kv_ahead", &kv_ahead, "slots of software prefetch ahead in attention's K and V streams (0: none)");
   m.def("set_kv_ahead", &set_kv_ahead, "set kv_ahead (0-1024 slots; for comparisons); returns the value in force",
         py::arg("slots"));

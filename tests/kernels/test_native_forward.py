@@ -3,6 +3,7 @@ torch and HF transformers, row-count independence bit for bit, weights changed i
 bad arguments refused with ValueError (in a subprocess, so a crash fails one test)."""
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -190,16 +191,18 @@ def narrow(request):
     """Pins how many rows a float16 register block computes in 256-bit halves (``block_narrow``,
     AVX-512 builds; the probe's choice otherwise), and restores the probe's choice afterwards.
     ``one_group``: blocks of one to three rows over one panel group each instead of several at
-    once (``group_runs``, AVX2 builds), with the probe's choice of halves."""
+    once (``group_runs`` pinned off, AVX2 builds), with the probe's choice of halves. The others
+    pin several groups at once, so that each case runs one form whatever a model's chooser saw."""
     try:
         if request.param == "one_group":
-            _cpu.set_group_runs(False)
+            _cpu.set_group_runs("off")
             yield _cpu.set_narrow_rows(-1)
         else:
+            _cpu.set_group_runs("on")
             yield _cpu.set_narrow_rows(request.param)
     finally:
         _cpu.set_narrow_rows(-1)
-        _cpu.set_group_runs(True)
+        _cpu.set_group_runs("auto")
 
 
 @pytest.mark.parametrize("weights", ["fp16-exact", "fp32"])
@@ -347,16 +350,82 @@ def test_the_block_form_is_probed_once_and_can_be_pinned():
         assert _cpu.set_narrow_rows(-1) == probed
 
 
-def test_group_runs_are_on_in_avx2_builds_and_can_be_turned_off():
-    """``group_runs``: blocks of one to three rows over several panel groups at once, on by default
-    in AVX2 builds and absent (always off) in AVX-512 ones; ``set_group_runs`` turns it off and on."""
+def test_group_runs_are_chosen_per_model_in_avx2_builds_and_can_be_pinned():
+    """``group_runs``: blocks of one to three rows over several panel groups at once. 'auto' by
+    default in AVX2 builds (each model chooses from its passes' clock) and 'off' (absent) in
+    AVX-512 ones; ``set_group_runs`` pins either form and refuses anything else."""
     avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
-    assert _cpu.group_runs() == (not avx512)
+    assert _cpu.group_runs() == ("off" if avx512 else "auto")
     try:
-        assert _cpu.set_group_runs(False) is False
-        assert _cpu.group_runs() is False
+        assert _cpu.set_group_runs("off") == "off" and _cpu.group_runs() == "off"
+        assert _cpu.set_group_runs("on") == ("off" if avx512 else "on")
+        for bad in ("yes", "", "ON"):
+            with pytest.raises(ValueError, match="group_runs must be 'auto', 'on' or 'off'"):
+                _cpu.set_group_runs(bad)
     finally:
-        assert _cpu.set_group_runs(True) == (not avx512)
+        assert _cpu.set_group_runs("auto") == ("off" if avx512 else "auto")
+
+
+def test_a_model_choosing_its_form_pass_by_pass_gives_the_pinned_forms_bits(head64):
+    """With group_runs 'auto' a model plays both forms (its first passes of each row count are
+    pairs, one each way) and then the one its clock prefers: every pass's logits and cache
+    entries are those of both pinned forms, bit for bit, for one to three rows."""
+    model = load_model(head64)
+    runner = ModelRunner(model, TorchBackend(native=True))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (20,), generator=g).tolist()
+    avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
+    try:
+        for rows in (1, 2, 3):
+            toks = [torch.randint(0, model.config.vocab_size, (rows,), generator=g).tolist() for _ in range(12)]
+            got = {}
+            for mode in ("on", "off", "auto"):
+                _cpu.set_group_runs(mode)
+                runner.reset()
+                outs = []
+                with torch.inference_mode():
+                    runner.prefill(prompt)
+                    for t in toks:  # the first 8 passes of a row count in 'auto' compare the forms
+                        logits = runner.forward_nodes(t, list(range(20, 20 + rows)), None)
+                        outs.append((logits, runner.cache.k[:, :, :, 20:20 + rows].clone(),
+                                     runner.cache.v[:, :, :, 20:20 + rows].clone()))
+                        runner.discard()
+                got[mode] = outs
+            for a, b, c in zip(got["on"], got["off"], got["auto"]):
+                for x, y, z in zip(a, b, c):
+                    assert torch.equal(x, y) and torch.equal(x, z)
+            score, pairs, passes, on_passes = runner.native.group_runs_state(rows)
+            if not avx512:  # 'auto' played both forms, then one
+                assert pairs >= 4 and passes == 12 and 4 <= on_passes <= 8, (rows, pairs, passes, on_passes)
+    finally:
+        _cpu.set_group_runs("auto")
+
+
+def test_the_form_chooser_plays_the_faster_form_and_follows_a_change():
+    """FormChooser's rule against a scripted clock: pairs of passes, one each way, four back to
+    back and then one every 32 passes; it plays the form whose pairs said faster, follows the
+    machine when the other form becomes the faster, and spends 2 passes in 34 on the comparison."""
+    ch = _cpu.FormChooser()
+
+    def run(passes, on_seconds, off_seconds):
+        played = []
+        for _ in range(passes):
+            on, role = ch.pick(1)
+            played.append(on)
+            ch.record(1, on, role, on_seconds if on else off_seconds)
+        return played
+
+    first = run(8, 1.3, 1.0)
+    assert sum(first) == 4  # four pairs, one pass each way
+    later = run(340, 1.3, 1.0)  # off is faster: played but for the comparisons
+    assert sum(later) == 10
+    assert ch.state(1)[0] == pytest.approx(math.log(1.3)) and ch.state(1)[1] == 14
+    flipped = run(1000, 1.0, 1.3)  # now on is faster
+    assert sum(flipped[-500:]) >= 500 - 16
+    assert ch.state(2)[2] == 0  # row counts are apart
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="rows must be 1-3"):
+            ch.pick(bad)
 
 
 @pytest.mark.parametrize("out,inp", [(17, 5), (200, 96)])
