@@ -1380,7 +1380,9 @@ std::tuple<std::vector<int64_t>, double> plain_steps(NativeGPT2& model, torch::T
 // (bench/linear.py): seconds of each of ``repeats`` calls of y (rows, M) = x (rows, K) W^T, with W
 // packed as the decoder packs it (float16 when every value is fp16-exact, else float32; the same
 // prefetch rule) and the output features split over the threads as in a forward pass, one
-// OpenMP region a call. Returns (seconds per call, packed as float16, packed weight bytes).
+// OpenMP region a call. Blocks of 1-3 rows take the form group_runs pins; under 'auto', several
+// groups at once (a model's form before its first comparisons): there is no pass clock here to
+// choose by. Returns (seconds per call, packed as float16, packed weight bytes).
 std::tuple<std::vector<double>, bool, int64_t> linear_seconds(const torch::Tensor& weight, int64_t rows,
                                                              int64_t repeats) {
   SE_CHECK(rows >= 1 && rows <= 4096, "rows must be in [1, 4096], got ", rows);
