@@ -10,6 +10,7 @@
 // for tokens that can still win: g never exceeds kGumbelMax, so a token whose log p' is more
 // than kGumbelMax below the best score found so far is skipped without hashing.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include "cpu_errors.h"
 #include "cpu_simd.h"
@@ -565,6 +566,85 @@ void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, con
   }
 }
 
+namespace {
+
+// p'(. | row) of one row into out[0, V) (float64): the one-hot of the first argmax at T = 0;
+// else softmax(row / T), top-k, then top-p, renormalised over the kept tokens (the rest 0).
+// The kept set is sampling.py's: the tokens ranked (by probability, ties to the smaller id) so
+// that the mass ranked ahead of each is < top_p. With top-p alone the nucleus is a prefix of the
+// ranking, so the m likeliest tokens are ranked (nth_element, then a sort of m) for m = 256,
+// 1024, ... until the cut falls inside them: one pass over the vocabulary and a sort of a few
+// hundred, where torch.sort ranks all of it (~0.5 ms a row of 8192 here).
+void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<float>& z, double* out) {
+  std::fill(out, out + V, 0.0);
+  if (rule.greedy()) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < V; ++i)
+      if (row[i] > row[best]) best = i;
+    out[best] = 1.0;
+    return;
+  }
+  for (int64_t i = 0; i < V; ++i)
+    if (std::isnan(row[i])) {  // no distribution (torch's softmax gives NaN too)
+      std::fill(out, out + V, std::numeric_limits<double>::quiet_NaN());
+      return;
+    }
+  std::vector<int64_t> ids;
+  std::vector<float> logp;
+  float lse;
+  if (rule.top_k > 0 && rule.top_k < V) {
+    z.resize(V);
+    for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
+    ids = top_ids(z, rule.top_k);
+    const float mx = z[ids[0]];
+    double sum = 0.0;
+    for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - mx));
+    lse = mx + static_cast<float>(std::log(sum));
+  } else {
+    lse = scaled_row(row, V, rule.temperature, z);
+    z.resize(V);
+    if (!std::isfinite(lse)) {  // infinite logits: no distribution either
+      std::fill(out, out + V, std::numeric_limits<double>::quiet_NaN());
+      return;
+    }
+    if (rule.top_p >= 1.0) {
+      for (int64_t i = 0; i < V; ++i) out[i] = std::exp(static_cast<double>(z[i] - lse));
+      return;
+    }
+  }
+  for (int64_t m = std::min<int64_t>(256, V);; m = std::min<int64_t>(4 * m, V)) {
+    if (!(rule.top_k > 0 && rule.top_k < V)) ids = top_ids(z, m);
+    logp.resize(ids.size());
+    for (size_t j = 0; j < ids.size(); ++j) logp[j] = z[ids[j]] - lse;
+    const int64_t n = top_p_cut(logp, rule.top_p);
+    if (n < static_cast<int64_t>(ids.size()) || static_cast<int64_t>(ids.size()) == V ||
+        (rule.top_k > 0 && rule.top_k < V)) {
+      double kept = 0.0;
+      for (int64_t j = 0; j < n; ++j) kept += std::exp(static_cast<double>(logp[j]));
+      for (int64_t j = 0; j < n; ++j) out[ids[j]] = std::exp(static_cast<double>(logp[j])) / kept;
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+// The processed distribution p' of every row of logits (N, V), float64 (N, V): beam sampling's
+// conditionals (beam/decoders.py), the torch reference being sampling.processed_probs.
+torch::Tensor processed_probs(const torch::Tensor& logits, double temperature, int64_t top_k, double top_p) {
+  check_logits(logits, "logits");
+  const Rule rule = make_rule(temperature, top_k, top_p);
+  const int64_t N = logits.size(0), V = logits.size(1);
+  torch::Tensor out = torch::empty({N, V}, torch::kFloat64);
+  const float* p = logits.data_ptr<float>();
+  double* o = out.data_ptr<double>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> z;
+    for (int64_t r = r0; r < r1; ++r) processed_row(p + r * V, V, rule, z, o + r * V);
+  });
+  return out;
+}
+
 void register_sampling(pybind11::module& m) {
   m.def("choose_rows", &choose_rows, "the sampling rule's choice for each row of logits", py::arg("logits"),
         py::arg("seed"), py::arg("positions"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
@@ -574,6 +654,8 @@ void register_sampling(pybind11::module& m) {
   m.def("perturbed_children", &perturbed_children, "the draft's k best children by perturbed score, and log r",
         py::arg("logits"), py::arg("seed"), py::arg("positions"), py::arg("temperature"), py::arg("top_k"),
         py::arg("k"));
+  m.def("processed_probs", &processed_probs, "the processed distribution p' of each row of logits, float64",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
   m.def("kv_move", &kv_move, "commit a tree path in one cache row", py::arg("k"), py::arg("v"), py::arg("row"),
         py::arg("start"), py::arg("path"));
 }

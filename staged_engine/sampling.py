@@ -106,6 +106,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def rule(self) -> tuple:
+        """(temperature, top_k, top_p, seed): what a native kernel needs to apply these."""
+        return _rule(self)
+
 
 def _top(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of z (..., V), descending, ties by smaller token id.

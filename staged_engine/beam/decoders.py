@@ -97,6 +97,13 @@ def _beam_runner(model: GPT2, backend: Backend, rows: int, extra_slots: int) -> 
     return ModelRunner(model, backend, batch=rows, max_len=model.config.n_positions + extra_slots)
 
 
+def conditionals(backend: Backend, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """p'(. | each row) of (N, V) logits, float64 on the CPU: the backend's native kernel where
+    it has one (without a sort of the vocabulary for top-p), else ``processed_probs``."""
+    probs = backend.processed_probs(logits, params.rule)
+    return probs if probs is not None else processed_probs(logits, params).double().cpu()
+
+
 # --------------------------------------------------------------------------------------------
 # Multi-row KV cache bookkeeping
 # --------------------------------------------------------------------------------------------
@@ -148,7 +155,7 @@ class RowCache:
         ids = torch.tensor(tokens, dtype=torch.int64, device=dev)[:, None]
         positions = torch.full((n, 1), self.length, dtype=torch.int64, device=dev)
         logits = self.forward(view, ids, positions, None)[:, 0]  # (n, V)
-        return processed_probs(logits, params).double().cpu()
+        return conditionals(self.runner.backend, logits, params)
 
     def reselect(self, sources: list[int], paths: list[list[int]], pending: int) -> None:
         """Row i <- row sources[i]: its committed slots, then its pending entries ``paths[i]``
@@ -245,7 +252,7 @@ class RowForestLM:
                                    torch.from_numpy(positions).to(dev),
                                    torch.from_numpy(mask).to(dev))  # (R, N, V)
         real = logits[torch.tensor(real_rows), torch.tensor(real_cols)]  # (M, V)
-        dist = processed_probs(real, self.params).double().cpu()  # (M, V)
+        dist = conditionals(self.rows.runner.backend, real, self.params)  # (M, V)
         for m, (r, key) in enumerate(zip(real_rows, real_keys)):
             self.dist[r][key] = dist[m]
         self.nodes += len(real_keys)
@@ -340,7 +347,7 @@ class TreeLM:
         positions = [length + len(key) - 1 for key in keys]
         logits = self.runner.forward_nodes([key[-1] for key in keys], positions,
                                            torch.from_numpy(mask).to(self.runner.device))  # (N, V)
-        dist = processed_probs(logits, self.params).double().cpu()  # (N, V)
+        dist = conditionals(self.runner.backend, logits, self.params)  # (N, V)
         for i, key in enumerate(keys):
             self.dist[key] = dist[i]
         self.nodes += n

@@ -91,6 +91,11 @@ class Backend:
         """At T > 0: each row's k best children by perturbed score and their log r."""
         return None
 
+    def processed_probs(self, logits: torch.Tensor, rule: tuple) -> torch.Tensor | None:
+        """p' of each row of (N, V) logits, float64 on the CPU (beam sampling's conditionals;
+        the reference is ``sampling.processed_probs``); the seed in ``rule`` is not used."""
+        return None
+
 
 def chain_mask(n: int, m: int, device) -> torch.Tensor:
     """(N, M) bool: new token i sees uncommitted entries j <= M - N + i."""
@@ -215,6 +220,12 @@ class TorchBackend(Backend):
             return None
         idx, logr = _cpu.perturbed_children(logits.contiguous(), seed, positions, t, top_k, k)
         return idx, logr
+
+    def processed_probs(self, logits, rule):
+        if not self._native_rows(logits):
+            return None
+        t, top_k, top_p, _ = rule
+        return _cpu.processed_probs(logits.contiguous(), t, top_k, top_p)
 
     def append_qkv(self, qkv, k_cache, v_cache, starts, n_head):
         # qkv: (B, N, 3C) -> q, k, v each (B, H, N, D)

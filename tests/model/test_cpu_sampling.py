@@ -1,7 +1,8 @@
 """The sampling rule, tree verification, the draft's perturbed child scoring and the KV path
 commit in the native CPU extension (csrc/cpu_sampling.cpp), each against an independent
 reference: float64 Gumbel-max over a kept set built by a float64 sort, a brute-force tree walk,
-the torch reference in sampling.py, and plain tensor copies."""
+the torch reference in sampling.py, and plain tensor copies; beam sampling's processed
+distributions against a float64 sort."""
 from __future__ import annotations
 
 import math
@@ -145,6 +146,64 @@ def test_perturbed_children_are_the_best_perturbed_scores(top_k):
         assert torch.allclose(logr[r].double(), s[want] - lse, atol=1e-4)
 
 
+def _reference_probs(row: torch.Tensor, t: float, top_k: int, top_p: float) -> torch.Tensor:
+    """p' in float64 by a full stable sort (ALGORITHMS.md sec. 2): softmax(z / T), top-k, then
+    every token whose mass ranked ahead is < top_p, renormalised; one-hot at T = 0."""
+    v = row.numel()
+    out = torch.zeros(v, dtype=torch.float64)
+    if t == 0:
+        out[int(row.argmax())] = 1.0
+        return out
+    z = row.double() / t
+    order = sorted(range(v), key=lambda i: (-float(z[i]), i))
+    if 0 < top_k < v:
+        order = order[:top_k]
+    p = torch.softmax(torch.tensor([float(z[i]) for i in order], dtype=torch.float64), 0)
+    kept, mass = [], 0.0
+    for j, tok in enumerate(order):
+        if mass >= top_p:
+            break
+        kept.append(j)
+        mass += float(p[j])
+    total = float(p[kept].sum())
+    for j in kept:
+        out[order[j]] = float(p[j]) / total
+    return out
+
+
+@pytest.mark.parametrize("t,top_k,top_p,width", [
+    (0.0, 0, 1.0, 3.0), (1.0, 0, 1.0, 3.0), (0.8, 0, 0.95, 3.0), (0.8, 0, 0.95, 0.3), (1.0, 0, 0.999, 0.2),
+    (0.7, 0, 0.3, 6.0), (1.0, 50, 1.0, 2.0), (1.3, 5, 0.9, 2.0), (0.9, 300, 0.5, 1.0),
+])
+def test_processed_probs_equals_a_float64_sort(t, top_k, top_p, width):
+    """Beam sampling's conditionals: the same kept set as a full sort (nuclei from a few tokens to
+    nearly all 2,000, so the ranked prefix grows past its first 256 and to the whole row), ties
+    to the smaller id, the values within float rounding; the torch reference agrees too."""
+    from staged_engine.sampling import processed_probs
+
+    g = torch.Generator().manual_seed(int(t * 100) + top_k + int(width * 10))
+    v = 2000
+    for trial in range(6):
+        logits = torch.randn(4, v, generator=g) * width
+        logits[1, 100:400] = logits[1, 100]  # a run of ties
+        got = _cpu.processed_probs(logits, t, top_k, top_p)
+        assert got.dtype == torch.float64 and got.shape == (4, v)
+        for r in range(4):
+            want = _reference_probs(logits[r], t, top_k, top_p)
+            assert torch.equal(got[r] > 0, want > 0), (trial, r, int((got[r] > 0).sum()), int((want > 0).sum()))
+            assert float((got[r] - want).abs().max()) < 1e-6
+        torch_ref = processed_probs(logits, SamplingParams(t, top_k, top_p)).double()
+        assert float((got - torch_ref).abs().max()) < 1e-6
+
+
+def test_processed_probs_of_a_non_finite_row_is_nan_and_other_rows_are_kept():
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    out = _cpu.processed_probs(logits, 1.0, 0, 0.9)
+    assert bool(out[1].isnan().all()) and bool(torch.isfinite(out[[0, 2]]).all())
+    assert torch.allclose(out[[0, 2]].sum(1), torch.ones(2, dtype=torch.float64))
+
+
 def test_kv_move_equals_tensor_copies():
     g = torch.Generator().manual_seed(0)
     k = torch.randn(3, 2, 4, 20, 8, generator=g)
@@ -174,6 +233,10 @@ cases = [
     ("path reaches slot", lambda: _cpu.kv_move(k, k.clone(), 0, 6, [0, 1, 3])),
     ("row must be in", lambda: _cpu.kv_move(k, k.clone(), 1, 0, [0, 1])),
     ("strictly increasing", lambda: _cpu.kv_move(k, k.clone(), 0, 0, [0, 0])),
+    ("logits must be float32", lambda: _cpu.processed_probs(x.double(), 1.0, 0, 0.9)),
+    ("logits must be (N, V)", lambda: _cpu.processed_probs(x[0], 1.0, 0, 0.9)),
+    ("top_p must be in (0, 1]", lambda: _cpu.processed_probs(x, 1.0, 0, 1.5)),
+    ("top_k must be >= 0", lambda: _cpu.processed_probs(x, 1.0, -1, 0.9)),
 ]
 for expected, call in cases:
     try:
