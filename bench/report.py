@@ -253,6 +253,14 @@ def render() -> str:
                          "AVX2-only machine (the same command with `--out dsbd_fixed_w2_avx2.json`)"),
                         ("dsbd_fixed_w4_avx2.json", "DSBD with a fixed width, W = 4, one cache row per beam, AVX2"),
                         ("dsbd_fixed_w8_avx2.json", "DSBD with a fixed width, W = 8, one cache row per beam, AVX2"),
+                        ("dsbd_fixed_w2_topp_avx2.json", "DSBD with a fixed width, W = 2, T 0.8 / top-p 0.95, AVX2 "
+                         "(the same command with `--temperature 0.8 --top-p 0.95 --out dsbd_fixed_w2_topp_avx2.json`)"),
+                        ("dsbd_fixed_w4_topp_avx2.json", "DSBD with a fixed width, W = 4, T 0.8 / top-p 0.95, AVX2"),
+                        ("dsbd_fixed_w8_topp_avx2.json", "DSBD with a fixed width, W = 8, T 0.8 / top-p 0.95, AVX2"),
+                        ("dsbd_fixed_w2_topk_avx2.json", "DSBD with a fixed width, W = 2, T 1 / top-k 50, AVX2 "
+                         "(the same command with `--top-k 50 --out dsbd_fixed_w2_topk_avx2.json`)"),
+                        ("dsbd_fixed_w4_topk_avx2.json", "DSBD with a fixed width, W = 4, T 1 / top-k 50, AVX2"),
+                        ("dsbd_fixed_w8_topk_avx2.json", "DSBD with a fixed width, W = 8, T 1 / top-k 50, AVX2"),
                         ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
