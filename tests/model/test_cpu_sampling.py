@@ -154,20 +154,20 @@ def _reference_probs(row: torch.Tensor, t: float, top_k: int, top_p: float) -> t
     if t == 0:
         out[int(row.argmax())] = 1.0
         return out
-    z = row.double() / t
-    order = sorted(range(v), key=lambda i: (-float(z[i]), i))
+    z = (row.double() / t).tolist()
+    order = sorted(range(v), key=lambda i: (-z[i], i))
     if 0 < top_k < v:
         order = order[:top_k]
-    p = torch.softmax(torch.tensor([float(z[i]) for i in order], dtype=torch.float64), 0)
+    p = torch.softmax(torch.tensor([z[i] for i in order], dtype=torch.float64), 0).tolist()
     kept, mass = [], 0.0
-    for j, tok in enumerate(order):
+    for j in range(len(order)):
         if mass >= top_p:
             break
         kept.append(j)
-        mass += float(p[j])
-    total = float(p[kept].sum())
+        mass += p[j]
+    total = math.fsum(p[j] for j in kept)
     for j in kept:
-        out[order[j]] = float(p[j]) / total
+        out[order[j]] = p[j] / total
     return out
 
 
