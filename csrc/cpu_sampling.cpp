@@ -589,10 +589,11 @@ void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<fl
       std::fill(out, out + V, std::numeric_limits<double>::quiet_NaN());
       return;
     }
+  const bool sparse = rule.top_k > 0 && rule.top_k < V;  // top-k ranks its k once, below
   std::vector<int64_t> ids;
   std::vector<float> logp;
   float lse;
-  if (rule.top_k > 0 && rule.top_k < V) {
+  if (sparse) {
     z.resize(V);
     for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
     ids = top_ids(z, rule.top_k);
@@ -613,12 +614,12 @@ void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<fl
     }
   }
   for (int64_t m = std::min<int64_t>(256, V);; m = std::min<int64_t>(4 * m, V)) {
-    if (!(rule.top_k > 0 && rule.top_k < V)) ids = top_ids(z, m);
+    if (!sparse) ids = top_ids(z, m);
+    const int64_t ranked = static_cast<int64_t>(ids.size());
     logp.resize(ids.size());
-    for (size_t j = 0; j < ids.size(); ++j) logp[j] = z[ids[j]] - lse;
+    for (int64_t j = 0; j < ranked; ++j) logp[j] = z[ids[j]] - lse;
     const int64_t n = top_p_cut(logp, rule.top_p);
-    if (n < static_cast<int64_t>(ids.size()) || static_cast<int64_t>(ids.size()) == V ||
-        (rule.top_k > 0 && rule.top_k < V)) {
+    if (sparse || n < ranked || ranked == V) {  // the cut fell inside the ranked tokens
       double kept = 0.0;
       for (int64_t j = 0; j < n; ++j) kept += std::exp(static_cast<double>(logp[j]));
       for (int64_t j = 0; j < n; ++j) out[ids[j]] = std::exp(static_cast<double>(logp[j])) / kept;
