@@ -261,12 +261,17 @@ def render() -> str:
                          "(the same command with `--top-k 50 --out dsbd_fixed_w2_topk_avx2.json`)"),
                         ("dsbd_fixed_w4_topk_avx2.json", "DSBD with a fixed width, W = 4, T 1 / top-k 50, AVX2"),
                         ("dsbd_fixed_w8_topk_avx2.json", "DSBD with a fixed width, W = 8, T 1 / top-k 50, AVX2"),
+                        ("idle_gap_avx2.json", "A forward pass after idle time, AVX2 (`staged-engine bench idle-gap "
+                         "--out idle_gap_avx2.json`)"),
                         ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
         r = _load(name) if name not in _OLD_CODE else None
         if r:
             parts += section_generic(title, r, name)
+            if name == "idle_gap_avx2.json":
+                parts += _plot("idle_gap_avx2.png", "AVX2: a forward pass after idle time, against the same pass "
+                                                    "back to back")
     if _OLD_CODE:
         parts.append("Not re-run on the current code (measured before a change to the code they time, so not "
                      "shown): " + ", ".join(f"`bench/results/{n}`" for n in _OLD_CODE) + ".\n")

@@ -115,3 +115,29 @@ def test_every_result_names_the_native_kernels_it_timed():
     assert info["narrow_rows"] == _cpu.narrow_rows()
     assert info["group_runs"] == _cpu.group_runs()
     assert len(info["native_build"]) == 16 and int(info["native_build"], 16) >= 0
+
+
+@pytest.mark.parametrize("argv,needle", [(["--repeats", "1"], "--repeats must be >= 2"),
+                                         (["--gaps", "0", "-5"], "--gaps must be >= 0"),
+                                         (["--models", "/nonexistent"], "no config.json")])
+def test_the_idle_gap_bench_refuses_bad_arguments_by_name(argv, needle):
+    sys.path.insert(0, BENCH)  # idle_gap imports bench/common.py
+    try:
+        idle_gap = _bench_module("idle_gap")
+        with pytest.raises((ValueError, FileNotFoundError), match=needle):
+            idle_gap.main(argv)
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_the_idle_gap_table_reports_each_gap_against_the_first():
+    sys.path.insert(0, BENCH)
+    try:
+        idle_gap = _bench_module("idle_gap")
+    finally:
+        sys.path.remove(BENCH)
+    model = {"pass_us": {"0": 600.0, "500": 750.0}, "ratio_to_first_gap": {"0": 1.0, "500": 1.25}}
+    result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx2"]}, "threads": 2, "context": 200,
+              "repeats": 4, "gaps_us": [0, 500], "models": {"oracle": model}}
+    text = idle_gap.table(result)
+    assert "| oracle | 600 us (1.00x) | 750 us (1.25x) |" in text and "Test CPU" in text

@@ -19,6 +19,7 @@ BENCHES = {
     "pair-quality": "pair_quality.py",  # the demo pair's bits per byte and agreement on held-out code
     "roofline": "roofline.py",  # decode against bandwidth/compute bounds, HF generate and llama.cpp
     "linear": "linear.py",  # the native linear kernel alone against its bounds, 1-64 rows
+    "idle-gap": "idle_gap.py",  # a forward pass after idle time, against the same pass back to back
     "plots": "plots.py",  # PNG plots of bench/results/*.json (needs matplotlib)
     "report": "report.py",  # README results section from bench/results/
 }
