@@ -577,11 +577,8 @@ namespace {
 // hundred, where torch.sort ranks all of it (~0.5 ms a row of 8192 here).
 void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<float>& z, double* out) {
   std::fill(out, out + V, 0.0);
-  if (rule.greedy()) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < V; ++i)
-      if (row[i] > row[best]) best = i;
-    out[best] = 1.0;
+  if (rule.greedy()) {  // the choice's own argmax (no noise is drawn at T = 0)
+    out[choose_row(row, V, 0, rule, z)] = 1.0;
     return;
   }
   for (int64_t i = 0; i < V; ++i)
