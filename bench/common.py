@@ -119,6 +119,16 @@ def add_model_and_prompt_args(ap) -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
 
 
+def checkpoint_dirs(paths: list[str] | None, defaults) -> dict[str, str]:
+    """{name: directory} of the models a per-model bench measures: ``--models DIR ...`` named by
+    their directories, else ``defaults()``; each must be a HF GPT-2 checkpoint directory."""
+    models = {os.path.basename(os.path.normpath(p)): p for p in paths} if paths else defaults()
+    for p in models.values():
+        if not os.path.isfile(os.path.join(p, "config.json")):
+            raise FileNotFoundError(f"{p}: no config.json (a HF GPT-2 checkpoint directory is expected)")
+    return models
+
+
 def fmt(x, unit: str = "", digits: int = 2) -> str:
     """A table cell: empty for None, else the number with ``digits`` decimals and ``unit``."""
     return "" if x is None else f"{x:.{digits}f}{unit}"

@@ -31,7 +31,7 @@ import sys
 import time
 
 import torch
-from common import machine, plot_path, progress_bar, publish
+from common import checkpoint_dirs, machine, plot_path, progress_bar, publish
 
 GAPS_US = [0, 50, 200, 500, 1000, 3000]
 
@@ -131,13 +131,8 @@ def main(argv=None) -> int:
         raise ValueError(f"--gaps must be >= 0 microseconds, got {args.gaps}")
     from staged_engine.demo_pair import DEMO_DIR
 
-    if args.models:
-        models = {os.path.basename(os.path.normpath(p)): p for p in args.models}
-    else:
-        models = {"demo oracle": os.path.join(DEMO_DIR, "oracle"), "demo draft": os.path.join(DEMO_DIR, "draft")}
-    for p in models.values():
-        if not os.path.isfile(os.path.join(p, "config.json")):
-            raise FileNotFoundError(f"{p}: no config.json (a HF GPT-2 checkpoint directory is expected)")
+    models = checkpoint_dirs(args.models, lambda: {"demo oracle": os.path.join(DEMO_DIR, "oracle"),
+                                                    "demo draft": os.path.join(DEMO_DIR, "draft")})
     torch.set_num_threads(args.threads)
     result = {"benchmark": "idle gap", "machine": machine(), "threads": args.threads, "context": args.context,
               "repeats": args.repeats, "gaps_us": args.gaps, "models": {}}

@@ -35,7 +35,7 @@ import sys
 import time
 
 import torch
-from common import machine, plot_path, progress, publish
+from common import checkpoint_dirs, machine, plot_path, progress, publish
 from forward_cost import random_tree_mask
 
 NODES = [1, 2, 4, 8, 16, 32, 64]
@@ -328,14 +328,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from staged_engine.demo_pair import DEMO_DIR
 
-    if args.models:
-        models = {os.path.basename(os.path.normpath(p)): p for p in args.models}
-    else:
-        models = {"demo oracle": os.path.join(DEMO_DIR, "oracle"), "demo draft": os.path.join(DEMO_DIR, "draft"),
-                  "GPT-2-small shape": gpt2_small_checkpoint(os.path.join(DEMO_DIR, "oracle"))}
-    for p in models.values():
-        if not os.path.isfile(os.path.join(p, "config.json")):
-            raise FileNotFoundError(f"{p}: no config.json (a HF GPT-2 checkpoint directory is expected)")
+    models = checkpoint_dirs(args.models, lambda: {
+        "demo oracle": os.path.join(DEMO_DIR, "oracle"), "demo draft": os.path.join(DEMO_DIR, "draft"),
+        "GPT-2-small shape": gpt2_small_checkpoint(os.path.join(DEMO_DIR, "oracle"))})
     progress("measuring DRAM read bandwidth and the GEMM rate ...")
     dram = max(read_bandwidth(512 << 20) for _ in range(args.rounds))
     rate = max(gemm_rate() for _ in range(args.rounds))
