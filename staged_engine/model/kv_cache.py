@@ -145,12 +145,15 @@ class KVCache:
             raise ValueError(f"reselect span {span} exceeds max_len {self.max_len}")
         changed = [i for i, s in enumerate(sources) if s != i]
         if changed:
-            # Copy each source out first (a destination may be another row's source); per-row
-            # copies beat one advanced-index gather/scatter here.
+            # A source that is also overwritten (a swap, a chain of moves) is copied out first;
+            # any other is read in place, one copy instead of two (beams mostly descend from a
+            # row that keeps its own line). Per-row copies beat one advanced-index gather/scatter.
+            overwritten = set(changed)
             saved = {s: (self.k[:, s, :, low:span].clone(), self.v[:, s, :, low:span].clone())
-                     for s in {sources[i] for i in changed}}
+                     for s in {sources[i] for i in changed} if s in overwritten}
             for i in changed:
-                k_src, v_src = saved[sources[i]]
+                s = sources[i]
+                k_src, v_src = saved[s] if s in saved else (self.k[:, s, :, low:span], self.v[:, s, :, low:span])
                 self.k[:, i, :, low:span].copy_(k_src)
                 self.v[:, i, :, low:span].copy_(v_src)
         for row, path in enumerate(paths):

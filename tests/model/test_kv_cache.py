@@ -84,6 +84,21 @@ def test_reselect_copies_rows_then_commits_each_path():
         cache.reselect([3], [[0]], length=4, pending=1)
 
 
+@pytest.mark.parametrize("sources", [[1, 0], [1, 2, 0], [0, 0, 0], [2, 2, 1], [3, 0, 0, 2], [1, 1, 3, 3]])
+def test_reselect_rows_that_are_sources_and_destinations(sources):
+    # Swaps and cycles read a row after another destination wrote it unless it was saved first;
+    # the reference gathers every row from an untouched copy.
+    w = len(sources)
+    cache = _cache(batch=4)
+    cache.set_committed(4, 5)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    cache.reselect(sources, [[0]] * w, length=5, pending=1, low=2)
+    for row, src in enumerate(sources):
+        assert torch.equal(cache.k[:, row, :, 2:6], k0[:, src, :, 2:6])
+        assert torch.equal(cache.v[:, row, :, 2:6], v0[:, src, :, 2:6])
+        assert torch.equal(cache.k[:, row, :, :2], k0[:, row, :, :2])  # below ``low``: untouched
+
+
 def test_compact_keeps_entries_and_commits_the_trunk():
     cache = _cache(batch=1)
     cache.append(3)
