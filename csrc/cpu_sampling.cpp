@@ -643,6 +643,96 @@ torch::Tensor processed_probs(const torch::Tensor& logits, double temperature, i
   return out;
 }
 
+// Beam sampling's joint over (beam, token) pairs (beam/core.py beam_joint, whose torch code is the
+// reference): S(b_i) p(v | b_i) at i * V + v with S(b_i) = exp(log_scores[i] - the largest finite
+// one), divided by its sum when that is positive; all zeros when no score is finite. float64.
+// One native call instead of nine torch operators over a few beams' 8,192-token rows: after a
+// forward pass has streamed the weights through the caches, each operator's dispatch cost
+// 30-50 us, more than the arithmetic.
+torch::Tensor beam_joint(const torch::Tensor& log_scores, const torch::Tensor& probs) {
+  SE_CHECK(log_scores.device().is_cpu() && log_scores.scalar_type() == torch::kFloat64 && log_scores.dim() == 1,
+           "log_scores must be a 1-D float64 CPU tensor, got ", log_scores.scalar_type(), " ", log_scores.sizes());
+  SE_CHECK(probs.device().is_cpu() && probs.scalar_type() == torch::kFloat64 && probs.dim() == 2 &&
+               probs.size(0) == log_scores.size(0),
+           "probs must be a float64 CPU tensor (W, V) with W = ", log_scores.size(0), " rows, got ",
+           probs.scalar_type(), " ", probs.sizes());
+  const torch::Tensor ls = log_scores.contiguous(), pr = probs.contiguous();
+  const int64_t W = pr.size(0), V = pr.size(1);
+  const double* l = ls.data_ptr<double>();
+  double mx = -std::numeric_limits<double>::infinity();
+  bool any = false;
+  for (int64_t i = 0; i < W; ++i)
+    if (std::isfinite(l[i])) {
+      mx = any ? std::max(mx, l[i]) : l[i];
+      any = true;
+    }
+  if (!any) return torch::zeros({W * V}, torch::kFloat64);
+  torch::Tensor out = torch::empty({W * V}, torch::kFloat64);
+  const double* p = pr.data_ptr<double>();
+  double* o = out.data_ptr<double>();
+  // Eight running sums in two 4-lane vectors: no chain of dependent adds.
+  __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+  double tail = 0.0;
+  for (int64_t i = 0; i < W; ++i) {
+    const double w = std::exp(l[i] - mx);  // -inf -> 0
+    const __m256d vw = _mm256_set1_pd(w);
+    const double* pi = p + i * V;
+    double* oi = o + i * V;
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+      const __m256d a = _mm256_mul_pd(vw, _mm256_loadu_pd(pi + v)), b = _mm256_mul_pd(vw, _mm256_loadu_pd(pi + v + 4));
+      _mm256_storeu_pd(oi + v, a);
+      _mm256_storeu_pd(oi + v + 4, b);
+      acc0 = _mm256_add_pd(acc0, a);
+      acc1 = _mm256_add_pd(acc1, b);
+    }
+    for (; v < V; ++v) tail += (oi[v] = w * pi[v]);
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(acc0, acc1));
+  const double total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + tail;
+  if (total > 0.0) {  // divided, as the reference divides (not a multiply by 1 / total)
+    const __m256d vt = _mm256_set1_pd(total);
+    int64_t c = 0;
+    for (; c + 4 <= W * V; c += 4) _mm256_storeu_pd(o + c, _mm256_div_pd(_mm256_loadu_pd(o + c), vt));
+    for (; c < W * V; ++c) o[c] /= total;
+  }
+  return out;
+}
+
+// ``num`` draws by inverse CDF (beam/core.py TorchRandom.categorical, whose torch code is the
+// reference): for each u, the first index whose running sum of probs exceeds u times the total
+// (a zero-mass entry is never drawn), or, where u * total rounded up to the total, the last
+// entry of positive mass. probs (n,) float64, u (num,) float64 in [0, 1).
+std::vector<int64_t> inverse_cdf(const torch::Tensor& probs, const torch::Tensor& u) {
+  SE_CHECK(probs.device().is_cpu() && probs.scalar_type() == torch::kFloat64 && probs.dim() == 1 && probs.size(0) >= 1,
+           "probs must be a non-empty 1-D float64 CPU tensor, got ", probs.scalar_type(), " ", probs.sizes());
+  SE_CHECK(u.device().is_cpu() && u.scalar_type() == torch::kFloat64 && u.dim() == 1,
+           "u must be a 1-D float64 CPU tensor, got ", u.scalar_type(), " ", u.sizes());
+  const torch::Tensor pr = probs.contiguous(), uc = u.contiguous();
+  const int64_t n = pr.size(0);
+  const double* p = pr.data_ptr<double>();
+  thread_local std::vector<double> cdf;
+  cdf.resize(static_cast<size_t>(n));
+  double run = 0.0;
+  int64_t last_positive = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    run += p[i];
+    cdf[i] = run;
+    if (p[i] > 0) last_positive = i;
+  }
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(uc.size(0)));
+  const double* up = uc.data_ptr<double>();
+  for (int64_t j = 0; j < uc.size(0); ++j) {
+    const double target = up[j] * cdf[n - 1];
+    int64_t index = std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin();
+    if (index >= n) index = std::max<int64_t>(last_positive, 0);
+    out.push_back(index);
+  }
+  return out;
+}
+
 void register_sampling(pybind11::module& m) {
   m.def("choose_rows", &choose_rows, "the sampling rule's choice for each row of logits", py::arg("logits"),
         py::arg("seed"), py::arg("positions"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
@@ -654,6 +744,10 @@ void register_sampling(pybind11::module& m) {
         py::arg("k"));
   m.def("processed_probs", &processed_probs, "the processed distribution p' of each row of logits, float64",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
+  m.def("beam_joint", &beam_joint, "beam sampling's joint over (beam, token): S(b_i) p(v | b_i), normalised, float64",
+        py::arg("log_scores"), py::arg("probs"));
+  m.def("inverse_cdf", &inverse_cdf, "draws by inverse CDF: the first index whose running mass exceeds u * total",
+        py::arg("probs"), py::arg("u"));
   m.def("kv_move", &kv_move, "commit a tree path in one cache row", py::arg("k"), py::arg("v"), py::arg("row"),
         py::arg("start"), py::arg("path"));
 }

@@ -48,6 +48,8 @@ from typing import Callable, Protocol, Sequence, Union
 
 import torch
 
+from staged_engine.model.backend import _cpu
+
 Prefix = tuple[int, ...]
 Tensor = torch.Tensor
 
@@ -83,6 +85,8 @@ class TorchRandom:
         ~20x slower on a joint of 8 x 8192 candidates.)"""
         if num == 0:
             return []
+        if _native(probs):  # the same draws in one call (the torch code below is the reference)
+            return _cpu.inverse_cdf(probs, torch.rand(num, dtype=probs.dtype, generator=self.generator))
         cdf = torch.cumsum(probs, 0)  # (n,)
         u = torch.rand(num, dtype=cdf.dtype, generator=self.generator)
         index = torch.searchsorted(cdf, u * cdf[-1], right=True)  # zero-mass entries never hit
@@ -92,6 +96,13 @@ class TorchRandom:
 
 
 Rng = Union[torch.Generator, RandomSource]
+
+
+def _native(*tensors: Tensor) -> bool:
+    """Whether the extension's float64 beam kernels take these tensors: built, CPU, float64.
+    After a forward pass has streamed the weights through the caches, each torch operator over a
+    few beams' rows costs 30-50 us of dispatch, more than its arithmetic."""
+    return _cpu is not None and all(t.device.type == "cpu" and t.dtype == torch.float64 for t in tensors)
 
 
 def as_random(rng: Rng) -> RandomSource:
@@ -108,7 +119,11 @@ def beam_joint(log_scores: Tensor, probs: Tensor) -> Tensor:
     log_scores: (W,) float64 log S(b_i) (may hold -inf). probs: (W, V) float64 next-token
     distributions at each beam. Returns (W * V,) float64 ``∝ S(b_i) probs[i, v]`` at index
     ``i * V + v``, normalised; all zeros when no candidate has positive mass.
+    On the CPU one native call (``_cpu.beam_joint``) computes it; the torch code below is its
+    reference (and the path elsewhere).
     """
+    if _native(log_scores, probs):
+        return _cpu.beam_joint(log_scores, probs)
     finite = torch.isfinite(log_scores)
     if not bool(finite.any()):
         return torch.zeros(probs.numel(), dtype=torch.float64)

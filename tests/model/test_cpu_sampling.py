@@ -215,6 +215,49 @@ def test_kv_move_equals_tensor_copies():
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
+@pytest.mark.parametrize("width,vocab", [(1, 1), (1, 7), (2, 8192), (5, 13), (8, 8192)])
+def test_beam_joint_equals_the_formula(width, vocab):
+    # S(b_i) p(v | b_i) / sum, written out here in float64 (beam/core.py's torch path is the other
+    # copy of it); a -inf score is a beam with no mass, and its candidates get none.
+    g = torch.Generator().manual_seed(width * 100 + vocab)
+    probs = torch.softmax(torch.randn(width, vocab, generator=g, dtype=torch.float64) * 3, -1)
+    scores = torch.randn(width, generator=g, dtype=torch.float64) * 4 - 30
+    if width > 2:
+        scores[1] = float("-inf")
+    got = _cpu.beam_joint(scores, probs)
+    want = torch.stack([math.exp(s - max(x for x in scores.tolist() if math.isfinite(x))) * probs[i]
+                        for i, s in enumerate(scores.tolist())]).reshape(-1)
+    want = want / want.sum()
+    assert got.dtype == torch.float64 and got.shape == (width * vocab,)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    if width > 2:
+        assert not bool(got[vocab:2 * vocab].any())
+    no_mass = torch.full((width,), float("-inf"), dtype=torch.float64)
+    assert torch.equal(_cpu.beam_joint(no_mass, probs), torch.zeros(width * vocab, dtype=torch.float64))
+
+
+def test_inverse_cdf_equals_searchsorted_and_never_draws_zero_mass():
+    g = torch.Generator().manual_seed(5)
+    for n in (1, 2, 9, 16384):
+        probs = torch.rand(n, generator=g, dtype=torch.float64)
+        probs[torch.rand(n, generator=g) < 0.3] = 0.0  # zero-mass entries, the last ones too
+        probs[-1] = max(float(probs[-1]), 1e-3)
+        if n > 2:  # zero mass first and last: u = 0 must not draw the first, u * total = total the last
+            probs[0] = 0.0
+            probs[-2:] = 0.0
+            probs[n // 2] = 0.5
+        probs = probs / probs.sum()
+        # u = 1 (u * total is the total: the clamp to the last entry of positive mass) is outside
+        # U[0, 1) but is where rounding can take u * total
+        u = torch.cat([torch.rand(200, generator=g, dtype=torch.float64),
+                       torch.tensor([0.0, 1.0 - 2.0 ** -53, 1.0], dtype=torch.float64)])
+        got = _cpu.inverse_cdf(probs, u)
+        cdf = torch.cumsum(probs, 0)
+        want = torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=int(torch.nonzero(probs > 0).max()))
+        assert got == want.tolist()
+        assert all(float(probs[i]) > 0 for i in got)
+
+
 _BAD = r"""
 import torch
 from staged_engine import _cpu
@@ -237,6 +280,11 @@ cases = [
     ("logits must be (N, V)", lambda: _cpu.processed_probs(x[0], 1.0, 0, 0.9)),
     ("top_p must be in (0, 1]", lambda: _cpu.processed_probs(x, 1.0, 0, 1.5)),
     ("top_k must be >= 0", lambda: _cpu.processed_probs(x, 1.0, -1, 0.9)),
+    ("log_scores must be a 1-D float64", lambda: _cpu.beam_joint(x[:, 0], x.double())),
+    ("probs must be a float64 CPU tensor (W, V) with W = 3", lambda: _cpu.beam_joint(torch.zeros(3).double(), x.double())),
+    ("probs must be a non-empty 1-D float64", lambda: _cpu.inverse_cdf(x.double(), torch.rand(2).double())),
+    ("probs must be a non-empty 1-D float64", lambda: _cpu.inverse_cdf(torch.zeros(0).double(), torch.rand(2).double())),
+    ("u must be a 1-D float64", lambda: _cpu.inverse_cdf(x[0].double(), torch.rand(2))),
 ]
 for expected, call in cases:
     try:
