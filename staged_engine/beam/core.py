@@ -369,12 +369,12 @@ def extend(beams: Beams, p_cond: Tensor, q_cond: Tensor, candidates: Sequence[in
     """The next layer: one beam per candidate (flat index over ``beams``).
     p_cond, q_cond: (W, V) oracle and draft distributions at ``beams``."""
     vocab = p_cond.shape[1]
-    flat = torch.tensor(list(candidates), dtype=torch.long)
-    parent, token = flat // vocab, flat % vocab  # (W',), (W',)
-    seqs = [beams.seqs[i] + (v,) for i, v in zip(parent.tolist(), token.tolist())]
-    log_p = beams.log_p[parent] + torch.log(p_cond[parent, token])
-    log_q = beams.log_q[parent] + torch.log(q_cond[parent, token])
-    return Beams(seqs, log_p, log_q)
+    pairs = [divmod(c, vocab) for c in candidates]  # (parent slot, token) per candidate
+    seqs = [beams.seqs[i] + (v,) for i, v in pairs]
+    parent, token = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).T  # (W',), (W',)
+    log_pc = torch.log(p_cond[parent, token])
+    log_qc = log_pc if q_cond is p_cond else torch.log(q_cond[parent, token])  # beam sampling: q is p
+    return Beams(seqs, beams.log_p[parent] + log_pc, beams.log_q[parent] + log_qc)
 
 
 WidthRule = Callable[[Sequence[Prefix], Tensor], int]
