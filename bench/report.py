@@ -1,6 +1,7 @@
 """Regenerate README.md's results section from the JSON files in bench/results/.
 
     python bench/report.py            # rewrites the block between the results markers
+    python bench/report.py --check    # exit 1 when that block is out of date
 """
 from __future__ import annotations
 
@@ -184,6 +185,8 @@ def section_demo_pair() -> list[str]:
 
 
 def render() -> str:
+    _STALE.clear()  # filled afresh by each rendering (a second one in a process listed files twice)
+    _OLD_CODE.clear()
     parts: list[str] = section_demo_pair()
     r = _load("pair_quality.json")
     if r:
@@ -281,7 +284,16 @@ def render() -> str:
     return "\n".join(parts) if parts else "No benchmark results yet."
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Regenerate README.md's results section (the block between the "
+                    f"'{BEGIN}' and '{END}' markers) from the JSON files in bench/results/.")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 when the README's results section differs from "
+                             "what the result files make")
+    args = parser.parse_args(argv)
     with open(README, encoding="utf-8") as f:
         text = f.read()
     if BEGIN not in text or END not in text:
@@ -289,8 +301,15 @@ def main() -> int:
         return 1
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
+    new = head + BEGIN + "\n" + render() + "\n" + END + tail
+    if args.check:
+        if new != text:
+            print(f"{README}'s results section is out of date: run python bench/report.py", file=sys.stderr)
+            return 1
+        print(f"{README}'s results section is up to date")
+        return 0
     with open(README, "w", encoding="utf-8") as f:
-        f.write(head + BEGIN + "\n" + render() + "\n" + END + tail)
+        f.write(new)
     print(f"updated {README}")
     return 0
 

@@ -141,3 +141,19 @@ def test_the_idle_gap_table_reports_each_gap_against_the_first():
               "repeats": 4, "gaps_us": [0, 500], "models": {"oracle": model}}
     text = idle_gap.table(result)
     assert "| oracle | 600 us (1.00x) | 750 us (1.25x) |" in text and "Test CPU" in text
+
+
+def test_the_readme_results_are_made_from_the_result_files(tmp_path, monkeypatch):
+    """README.md's results section is what bench/report.py makes of bench/results/ (a result
+    file committed without regenerating it fails here); --check writes nothing and says so."""
+    report = _bench_module("report")
+    assert report.main(["--check"]) == 0
+    readme = tmp_path / "README.md"
+    with open(report.README, encoding="utf-8") as f:
+        text = f.read()
+    readme.write_text(text.replace("| system |", "| System |", 1), encoding="utf-8")
+    monkeypatch.setattr(report, "README", str(readme))
+    before = readme.read_text(encoding="utf-8")
+    assert report.main(["--check"]) == 1
+    assert readme.read_text(encoding="utf-8") == before
+    assert report.main([]) == 0 and readme.read_text(encoding="utf-8") == text
