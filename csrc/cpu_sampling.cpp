@@ -703,7 +703,8 @@ torch::Tensor beam_joint(const torch::Tensor& log_scores, const torch::Tensor& p
 // ``num`` draws by inverse CDF (beam/core.py TorchRandom.categorical, whose torch code is the
 // reference): for each u, the first index whose running sum of probs exceeds u times the total
 // (a zero-mass entry is never drawn), or, where u * total rounded up to the total, the last
-// entry of positive mass. probs (n,) float64, u (num,) float64 in [0, 1).
+// entry of positive mass. probs (n,) float64 of positive total (else an error, as torch's clamp to
+// the last positive entry would fail), u (num,) float64 in [0, 1).
 std::vector<int64_t> inverse_cdf(const torch::Tensor& probs, const torch::Tensor& u) {
   SE_CHECK(probs.device().is_cpu() && probs.scalar_type() == torch::kFloat64 && probs.dim() == 1 && probs.size(0) >= 1,
            "probs must be a non-empty 1-D float64 CPU tensor, got ", probs.scalar_type(), " ", probs.sizes());
@@ -721,13 +722,15 @@ std::vector<int64_t> inverse_cdf(const torch::Tensor& probs, const torch::Tensor
     cdf[i] = run;
     if (p[i] > 0) last_positive = i;
   }
+  SE_CHECK(cdf[n - 1] > 0, "probs must have positive mass (non-negative entries, not NaN), got a total of ",
+           cdf[n - 1]);
   std::vector<int64_t> out;
   out.reserve(static_cast<size_t>(uc.size(0)));
   const double* up = uc.data_ptr<double>();
   for (int64_t j = 0; j < uc.size(0); ++j) {
     const double target = up[j] * cdf[n - 1];
     int64_t index = std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin();
-    if (index >= n) index = std::max<int64_t>(last_positive, 0);
+    if (index >= n) index = last_positive;  // >= 0: the total is positive
     out.push_back(index);
   }
   return out;

@@ -285,6 +285,9 @@ cases = [
     ("probs must be a non-empty 1-D float64", lambda: _cpu.inverse_cdf(x.double(), torch.rand(2).double())),
     ("probs must be a non-empty 1-D float64", lambda: _cpu.inverse_cdf(torch.zeros(0).double(), torch.rand(2).double())),
     ("u must be a 1-D float64", lambda: _cpu.inverse_cdf(x[0].double(), torch.rand(2))),
+    ("probs must have positive mass", lambda: _cpu.inverse_cdf(torch.zeros(5).double(), torch.rand(2).double())),
+    ("probs must have positive mass", lambda: _cpu.inverse_cdf(torch.full((3,), float("nan")).double(),
+                                                               torch.rand(2).double())),
 ]
 for expected, call in cases:
     try:
