@@ -43,6 +43,7 @@ round feeds the next round) is the paper's approximation and changes the law.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence, Union
 
@@ -99,10 +100,12 @@ Rng = Union[torch.Generator, RandomSource]
 
 
 def _native(*tensors: Tensor) -> bool:
-    """Whether the extension's float64 beam kernels take these tensors: built, CPU, float64.
-    After a forward pass has streamed the weights through the caches, each torch operator over a
-    few beams' rows costs 30-50 us of dispatch, more than its arithmetic."""
-    return _cpu is not None and all(t.device.type == "cpu" and t.dtype == torch.float64 for t in tensors)
+    """Whether the extension's float64 beam kernels take these tensors: built, not switched off
+    (STAGED_ENGINE_NATIVE=0, as for the backend), CPU, float64. After a forward pass has streamed
+    the weights through the caches, each torch operator over a few beams' rows costs 30-50 us of
+    dispatch, more than its arithmetic."""
+    return (_cpu is not None and os.environ.get("STAGED_ENGINE_NATIVE", "1") != "0"
+            and all(t.device.type == "cpu" and t.dtype == torch.float64 for t in tensors))
 
 
 def as_random(rng: Rng) -> RandomSource:
