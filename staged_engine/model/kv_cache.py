@@ -143,17 +143,25 @@ class KVCache:
         span = length + pending
         if span > self.max_len:
             raise ValueError(f"reselect span {span} exceeds max_len {self.max_len}")
-        changed = [i for i, s in enumerate(sources) if s != i]
-        if changed:
-            # A source that is also overwritten (a swap, a chain of moves) is copied out first;
-            # any other is read in place, one copy instead of two (beams mostly descend from a
-            # row that keeps its own line). Per-row copies beat one advanced-index gather/scatter.
-            overwritten = set(changed)
-            saved = {s: (self.k[:, s, :, low:span].clone(), self.v[:, s, :, low:span].clone())
-                     for s in {sources[i] for i in changed} if s in overwritten}
-            for i in changed:
-                s = sources[i]
-                k_src, v_src = saved[s] if s in saved else (self.k[:, s, :, low:span], self.v[:, s, :, low:span])
+        # Row i <- row sources[i] as a parallel move: a row is overwritten only once no copy
+        # still to come reads it (a chain 1 <- 0, 2 <- 1, 3 <- 2 runs from its end), so each
+        # changed row costs one copy; only a cycle (a swap) saves one row aside first. Per-row
+        # copies beat one advanced-index gather/scatter here.
+        todo = {i: (self.k[:, s, :, low:span], self.v[:, s, :, low:span]) for i, s in enumerate(sources) if s != i}
+        reads = {i: s for i, s in enumerate(sources) if s != i}  # the row each pending copy reads
+        while todo:
+            read = set(reads.values())
+            free = [i for i in todo if i not in read]
+            if not free:  # every pending destination is read by another: a cycle
+                i = next(iter(todo))
+                saved = (self.k[:, i, :, low:span].clone(), self.v[:, i, :, low:span].clone())
+                for j, s in list(reads.items()):
+                    if s == i:
+                        todo[j], reads[j] = saved, -1
+                continue
+            for i in free:
+                k_src, v_src = todo.pop(i)
+                del reads[i]
                 self.k[:, i, :, low:span].copy_(k_src)
                 self.v[:, i, :, low:span].copy_(v_src)
         for row, path in enumerate(paths):
