@@ -196,6 +196,26 @@ def test_processed_probs_equals_a_float64_sort(t, top_k, top_p, width):
         assert float((got - torch_ref).abs().max()) < 1e-6
 
 
+# No cut within rounding of a tie, nor in a tail of masses below float z's precision (~1e-7).
+@pytest.mark.parametrize("top_p", [0.3005, 0.9005, 0.9905])
+def test_processed_probs_top_p_over_masked_flat_and_two_level_rows(top_p):
+    """Rows whose z sit in one value (every token tied), in two values 100 apart (beyond any
+    bucket range), or with masked (-inf) tokens: the same kept set and values as a full sort."""
+    g = torch.Generator().manual_seed(17)
+    masked = torch.randn(1000, generator=g) * 2
+    masked[torch.rand(1000, generator=g) < 0.3] = float("-inf")
+    two_level = torch.full((1000,), -100.0)
+    two_level[torch.randperm(1000, generator=g)[:10]] = 0.0
+    rows = torch.stack([torch.zeros(1000), two_level, masked])
+    got = _cpu.processed_probs(rows, 0.8, 0, top_p)
+    for r in range(3):
+        want = _reference_probs(rows[r], 0.8, 0, top_p)
+        assert torch.equal(got[r] > 0, want > 0), (r, int((got[r] > 0).sum()), int((want > 0).sum()))
+        assert float((got[r] - want).abs().max()) < 1e-6
+    assert int((got[0] > 0).sum()) == math.ceil(top_p * 1000)  # all tied: the smallest ids first
+    assert bool((got[0, :10] > 0).all())
+
+
 def test_processed_probs_of_a_non_finite_row_is_nan_and_other_rows_are_kept():
     logits = torch.randn(3, 50)
     logits[1, 7] = float("nan")
