@@ -700,19 +700,14 @@ void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<fl
     z.resize(V);
     return;
   }
-  for (int64_t m = std::min<int64_t>(256, V);; m = std::min<int64_t>(4 * m, V)) {
-    if (!sparse) ids = top_ids(z, m);
-    const int64_t ranked = static_cast<int64_t>(ids.size());
-    logp.resize(ids.size());
-    for (int64_t j = 0; j < ranked; ++j) logp[j] = z[ids[j]] - lse;
-    const int64_t n = top_p_cut(logp, rule.top_p);
-    if (sparse || n < ranked || ranked == V) {  // the cut fell inside the ranked tokens
-      double kept = 0.0;
-      for (int64_t j = 0; j < n; ++j) kept += std::exp(static_cast<double>(logp[j]));
-      for (int64_t j = 0; j < n; ++j) out[ids[j]] = std::exp(static_cast<double>(logp[j])) / kept;
-      return;
-    }
-  }
+  // Top-k (then top-p over its k, already ranked best first).
+  const int64_t ranked = static_cast<int64_t>(ids.size());
+  logp.resize(ids.size());
+  for (int64_t j = 0; j < ranked; ++j) logp[j] = z[ids[j]] - lse;
+  const int64_t n = top_p_cut(logp, rule.top_p);
+  double kept = 0.0;
+  for (int64_t j = 0; j < n; ++j) kept += std::exp(static_cast<double>(logp[j]));
+  for (int64_t j = 0; j < n; ++j) out[ids[j]] = std::exp(static_cast<double>(logp[j])) / kept;
 }
 
 }  // namespace
