@@ -210,12 +210,14 @@ int64_t perturbed_scores(const std::vector<float>& z, int64_t V, float lse, uint
   return first >= 0 ? first : 0;  // every score NaN: 0
 }
 
-// y where x >= lo, else 0 (x NaN: 0).
-inline vec vblend_below(vec x, vec lo, vec y) {
+// exp(z - lse) of kLanes tokens, the float32 precision of the torch reference's softmax; 0 below
+// vexp's range (p < 1.2e-38, and -inf: masked tokens, the padding of a row).
+inline vec vprob(vec z, vec lse) {
+  const vec x = vsub(z, lse), e = vexp(x), lo = vset1(-87.3365f);
 #if defined(__AVX512F__)
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), y);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), e);
 #else
-  return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), y);
+  return _mm256_and_ps(_mm256_cmp_ps(x, lo, _CMP_GE_OQ), e);
 #endif
 }
 
@@ -577,19 +579,11 @@ void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, con
 
 namespace {
 
-// p'(. | row) of one row into out[0, V) (float64): the one-hot of the first argmax at T = 0;
-// else softmax(row / T), top-k, then top-p, renormalised over the kept tokens (the rest 0).
-// The kept set is sampling.py's: the tokens ranked (by probability, ties to the smaller id) so
-// that the mass ranked ahead of each is < top_p. With top-p alone the nucleus is a prefix of the
-// ranking, so the m likeliest tokens are ranked (nth_element, then a sort of m) for m = 256,
-// 1024, ... until the cut falls inside them: one pass over the vocabulary and a sort of a few
-// hundred, where torch.sort ranks all of it (~0.5 ms a row of 8192 here).
 // Top-p over a whole row without ranking it: the kept set is every token whose mass ranked ahead
 // of it (larger z, or equal z and a smaller id) is < top_p. Tokens go to buckets of z below the
 // row's largest (equal z, one bucket; a higher bucket ranks wholly ahead of a lower one), each
 // bucket's mass is summed, and the bucket where the running mass reaches top_p is the only one
-// ranked token by token. Masses are exp(z - lse) in float vector lanes, as at top-p 1 (the
-// precision of the torch reference's float32 softmax), summed in float64; only the order of the
+// ranked token by token. Masses are vprob's, as at top-p 1, summed in float64; only the order of the
 // sums differs from a full ranking's. Before, a nucleus of thousands of tokens (a small model at
 // T 0.8) ranked the row in growing prefixes, ~150 us of a row's time. z is padded with -inf to
 // whole vectors (scaled_row) and holds V tokens. out: zeros, then p' of the kept tokens.
@@ -607,11 +601,11 @@ void top_p_buckets(const float* z, int64_t V, float lse, double top_p, double* o
     vlo = vmin(vlo, _mm256_blendv_ps(x, pinf, _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ)));
 #endif
   }
-  const float hi = vmax_all(vhi), lo = -vmax_all(vsub(vzero(), vlo));
+  const float hi = vmax_all(vhi), lo = vmin_all(vlo);
   // Buckets span [hi - range, hi]; lower z (and -inf: no mass) go to the last.
   const float range = std::min(64.f, std::max(hi - lo, 1e-3f));
   const vec vscale = vset1(static_cast<float>(kBuckets - 1) / range), vtop = vset1(static_cast<float>(kBuckets - 1));
-  const vec vl = vset1(lse), vh = vset1(hi), floor = vset1(-87.3365f);
+  const vec vl = vset1(lse), vh = vset1(hi);
   thread_local std::vector<float> mass_tl;
   thread_local std::vector<int32_t> bucket_tl;
   mass_tl.resize(padded);
@@ -619,8 +613,8 @@ void top_p_buckets(const float* z, int64_t V, float lse, double top_p, double* o
   float* mass = mass_tl.data();
   int32_t* bucket = bucket_tl.data();
   for (int64_t i = 0; i < padded; i += kLanes) {
-    const vec x = vload(z + i), e = vsub(x, vl);
-    vstore(mass + i, vblend_below(e, floor, vexp(e)));
+    const vec x = vload(z + i);
+    vstore(mass + i, vprob(x, vl));
     alignas(64) float b[kLanes];
     vstore(b, vmin(vmul(vsub(vh, x), vscale), vtop));  // +inf for -inf: the last bucket
     for (int l = 0; l < kLanes; ++l) bucket[i + l] = static_cast<int32_t>(b[l]);
@@ -652,6 +646,11 @@ void top_p_buckets(const float* z, int64_t V, float lse, double top_p, double* o
   for (size_t j = 0; j < n; ++j) out[ranked[j]] = mass[ranked[j]] / kept;
 }
 
+// p'(. | row) of one row into out[0, V) (float64): the one-hot of the first argmax at T = 0;
+// else softmax(row / T), top-k, then top-p, renormalised over the kept tokens (the rest 0). The
+// kept set is sampling.py's: the tokens ranked (by probability, ties to the smaller id) so that
+// the mass ranked ahead of each is < top_p. Top-k ranks its k (top_ids); top-p alone cuts the
+// row by buckets (top_p_buckets), where torch.sort ranks all of it (~0.5 ms a row of 8192 here).
 void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<float>& z, double* out) {
   std::fill(out, out + V, 0.0);
   if (rule.greedy()) {  // the choice's own argmax (no noise is drawn at T = 0)
@@ -682,14 +681,12 @@ void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<fl
       return;
     }
     if (rule.top_p >= 1.0) {
-      // exp(z - lse) in float vector lanes (z is padded with -inf to whole vectors), widened: the
-      // precision of the torch reference's float32 softmax, where a scalar double exp per token
-      // took 60 of a row's 90 us. Below vexp's range (p < 1.2e-38, the padding) p' is 0.
-      const vec vl = vset1(lse), floor = vset1(-87.3365f);
+      // vprob over whole vectors (z is padded with -inf), widened: a scalar double exp per token
+      // took 60 of a row's 90 us.
+      const vec vl = vset1(lse);
       alignas(64) float lanes[kLanes];
       for (int64_t i = 0; i < V; i += kLanes) {
-        const vec x = vsub(vload(z.data() + i), vl);
-        vstore(lanes, vblend_below(x, floor, vexp(x)));
+        vstore(lanes, vprob(vload(z.data() + i), vl));
         const int64_t n = std::min<int64_t>(kLanes, V - i);
         for (int64_t l = 0; l < n; ++l) out[i + l] = lanes[l];
       }

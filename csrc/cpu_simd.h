@@ -29,6 +29,7 @@ inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline float vmax_all(vec a) { return _mm512_reduce_max_ps(a); }
+inline float vmin_all(vec a) { return _mm512_reduce_min_ps(a); }
 // Bit l set where lane l of a is > t (false for NaN).
 inline uint32_t vmask_gt(vec a, float t) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(t), _CMP_GT_OQ); }
 // Bit l set where lane l of a equals t (false for NaN).
@@ -89,6 +90,12 @@ inline float vmax_all(vec a) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+inline float vmin_all(vec a) {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_min_ss(m, _mm_shuffle_ps(m, m, 1));
   return _mm_cvtss_f32(m);
 }
 inline vec vfloor(vec a) { return _mm256_floor_ps(a); }
