@@ -43,13 +43,12 @@ round feeds the next round) is the paper's approximation and changes the law.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence, Union
 
 import torch
 
-from staged_engine.model.backend import _cpu
+from staged_engine.model.backend import _cpu, native_enabled
 
 Prefix = tuple[int, ...]
 Tensor = torch.Tensor
@@ -100,12 +99,11 @@ Rng = Union[torch.Generator, RandomSource]
 
 
 def _native(*tensors: Tensor) -> bool:
-    """Whether the extension's float64 beam kernels take these tensors: built, not switched off
-    (STAGED_ENGINE_NATIVE=0, as for the backend), CPU, float64. After a forward pass has streamed
+    """Whether the extension's float64 beam kernels take these tensors: native paths on
+    (``native_enabled``, the backend's switch), CPU, float64. After a forward pass has streamed
     the weights through the caches, each torch operator over a few beams' rows costs 30-50 us of
     dispatch, more than its arithmetic."""
-    return (_cpu is not None and os.environ.get("STAGED_ENGINE_NATIVE", "1") != "0"
-            and all(t.device.type == "cpu" and t.dtype == torch.float64 for t in tensors))
+    return native_enabled() and all(t.device.type == "cpu" and t.dtype == torch.float64 for t in tensors)
 
 
 def as_random(rng: Rng) -> RandomSource:

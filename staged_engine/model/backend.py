@@ -29,6 +29,12 @@ try:
 except ImportError:  # the C++ extension is not built: pure torch, same results up to rounding
     _cpu = None
 
+def native_enabled() -> bool:
+    """Whether the ``_cpu`` extension is built and not switched off (``STAGED_ENGINE_NATIVE=0``):
+    the one switch for every native path (the backend's kernels, the beam core's draws)."""
+    return _cpu is not None and os.environ.get("STAGED_ENGINE_NATIVE", "1") != "0"
+
+
 NATIVE_MAX_ROWS = 64  # a pass over more rows runs the stock GEMM and SDPA; runners prefill in pieces of this size
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place modification counter
 
@@ -129,7 +135,7 @@ class TorchBackend(Backend):
             raise ValueError("native=True needs the staged_engine._cpu extension "
                              "(pip install --no-build-isolation -e .)")
         if native is None:
-            native = _cpu is not None and os.environ.get("STAGED_ENGINE_NATIVE", "1") != "0"
+            native = native_enabled()
             if _cpu is None:
                 warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU",
                               stacklevel=2)
