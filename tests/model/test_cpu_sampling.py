@@ -55,6 +55,31 @@ def test_choose_rows_equals_the_float64_rule(t, top_k, top_p):
     assert mismatches == 0
 
 
+@pytest.mark.parametrize("v", [8192, 50257])
+def test_choose_rows_over_whole_vocabularies_equals_float64_gumbel_max(v):
+    """The choice at T > 0 computes the noise only of tokens whose bound on g lets them reach the
+    best score found so far (csrc: pruned_best). Over a language model's whole vocabulary, with
+    rows peaked, flat, Zipf-shaped and partly masked, at low and high temperature, it must still
+    be the float64 argmax of log p' + g over every token."""
+    g = torch.Generator().manual_seed(v)
+    ranks = torch.arange(1, v + 1, dtype=torch.float64)
+    rows = [torch.randn(v, generator=g) * s for s in (0.2, 1.0, 4.0, 30.0)]
+    rows.append((-1.1 * ranks.log()).float()[torch.randperm(v, generator=g)])  # Zipf: a small model's flat tail
+    masked = torch.randn(v, generator=g) * 2
+    masked[torch.rand(v, generator=g) < 0.9] = float("-inf")
+    rows.append(masked)
+    logits = torch.stack(rows)
+    for t in (0.3, 0.8, 1.0, 1.7):
+        for seed in range(12):
+            positions = list(range(seed * 10, seed * 10 + len(rows)))
+            z = logits.double() / t
+            want = []
+            for r in range(len(rows)):
+                noise = gumbel_noise(seed, positions[r], vocab_salt(v)).double()
+                want.append(int((torch.log_softmax(z[r], 0) + noise).argmax()))
+            assert _cpu.choose_rows(logits, seed, positions, t, 0, 1.0) == want, (t, seed)
+
+
 @pytest.mark.parametrize("top_p", [0.95, 0.6])
 def test_top_p_over_a_nucleus_of_thousands_of_tokens_with_the_tail_winning_often(top_p):
     """A flat row over 4096 tokens (a nucleus of ~1000-3700) and a heavy tail: the best perturbed
