@@ -305,6 +305,30 @@ template <int NR>
 constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
 #endif
 
+// A second software prefetch, into L2, in each weight stream of a block of two or three rows
+// over several groups (block_groups), where the weights outgrow the L2 caches: at the same k of
+// the group NG groups on, i.e. the stream the thread's next run will read (the layout places it
+// right after this run). The first prefetch, 4 KB ahead into L1, keeps a one-row pass fed; with
+// two or three rows the loop issues its loads at half the pace per weight byte and the weights
+// came in slower than the FMAs used them (the demo oracle's two-row pass cost 1.12-1.24x its
+// one-row pass). It applies where a run spans at most ``l2_ahead`` bytes (0: never; 64 KB by
+// default, so the lookahead of every stream stays a fraction of L2) and a group is at least as
+// long as the L1 distance (shorter ones, like the demo draft's K = 80, are already covered by
+// it; there, prefetching the next run made two-row passes 1.03-1.11x slower). Demo oracle at 200
+// cached tokens, AVX2 Zen 3, on and off alternating per pass in one process: two-row passes
+// 0.91-0.95x (4 runs), three-row 0.98-0.99x; GPT-2-small shape 0.98x and 0.94x. Never changes a
+// bit; ``set_l2_ahead`` sets the bound for comparisons.
+std::atomic<int64_t> g_l2_ahead{65536};
+
+int64_t l2_ahead() { return g_l2_ahead.load(std::memory_order_relaxed); }
+
+int64_t set_l2_ahead(int64_t bytes) {
+  SE_CHECK(bytes >= 0 && bytes <= (int64_t(1) << 20) && bytes % 64 == 0,
+           "bytes must be a multiple of 64 in [0, 1 MiB], got ", bytes);
+  g_l2_ahead.store(bytes, std::memory_order_relaxed);
+  return l2_ahead();
+}
+
 // Whether blocks of one to three rows take several groups at once (AVX2 builds; the AVX-512 build
 // has no such form): kAuto (the default) lets each model choose pass by pass (FormChooser), kOn
 // and kOff pin the form for the tests and benches that compare the two. The bits are the same
@@ -433,6 +457,10 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
   // the accumulators in registers (an array of NG pointers advanced in the loop, or accumulators
   // whose address the epilogue takes, went to the stack on every k).
   const W* ws = w[0];
+  // The L2 prefetch reads the same k of the group NG groups on: the next run's stream, which the
+  // thread's layout places right after this run (see l2_ahead).
+  const int64_t group_bytes = L.K * NP * kLanes * static_cast<int64_t>(sizeof(W)), run_bytes = NG * group_bytes;
+  const int64_t far = NR >= 2 && ahead && group_bytes >= ahead && run_bytes <= l2_ahead() ? run_bytes : 0;
   int64_t off[NG];
   for (int g = 0; g < NG; ++g) off[g] = w[g] - w[0];
   vec acc[NG][NR][NP];
@@ -445,9 +473,11 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
     vec xv[NR];
     for (int r = 0; r < NR; ++r) xv[r] = vset1(xr[r][k]);
     for (int g = 0; g < NG; ++g) {
-      if (ahead)
+      if (ahead) {
         for (int64_t o = 0; o < NP * kLanes * static_cast<int64_t>(sizeof(W)); o += 64)
           _mm_prefetch(reinterpret_cast<const char*>(ws + off[g]) + ahead + o, _MM_HINT_T0);
+        if (far && (k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(ws + off[g]) + far, _MM_HINT_T1);
+      }
       for (int j = 0; j < NP; ++j) {
         const vec wv = vloadw(ws + off[g] + j * kLanes);
         for (int r = 0; r < NR; ++r) acc[g][r][j] = vfma(wv, xv[r], acc[g][r][j]);
@@ -1490,6 +1520,9 @@ void register_native_forward(py::module& m) {
   m.def("set_group_runs", &set_group_runs,
         "set group_runs to 'auto', 'on' or 'off' (pinned, for comparisons of the two forms); returns the mode in "
         "force", py::arg("mode"));
+  m.def("l2_ahead", &l2_ahead, "bytes of L2 prefetch ahead in the weight streams of 1-3 row blocks (0: none)");
+  m.def("set_l2_ahead", &set_l2_ahead, "set l2_ahead (a multiple of 64 in [0, 1 MiB]; for comparisons); returns "
+        "the value in force", py::arg("bytes"));
   m.def("kv_ahead", &kv_ahead, "slots of software prefetch ahead in attention's K and V streams (0: none)");
   m.def("set_kv_ahead", &set_kv_ahead, "set kv_ahead (0-1024 slots; for comparisons); returns the value in force",
         py::arg("slots"));

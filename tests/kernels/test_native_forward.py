@@ -549,6 +549,21 @@ def test_kv_prefetch_is_on_by_default_and_can_be_set():
 
 
 
+def test_l2_prefetch_bound_is_64k_by_default_and_refuses_bad_values():
+    """``l2_ahead``: the longest run of weight groups whose next run a two- or three-row block
+    prefetches into L2, 64 KB by default; ``set_l2_ahead`` takes multiples of 64 in [0, 1 MiB] and
+    refuses the rest with the argument named. (A prefetch moves no value; the bit-identity tests
+    above run with it on.)"""
+    assert _cpu.l2_ahead() == 65536
+    try:
+        for bad in (-64, 100, (1 << 20) + 64):
+            with pytest.raises(ValueError, match="bytes must be a multiple of 64"):
+                _cpu.set_l2_ahead(bad)
+        assert _cpu.set_l2_ahead(0) == 0
+    finally:
+        assert _cpu.set_l2_ahead(65536) == 65536
+
+
 @pytest.mark.parametrize("rows", [1, 5])
 def test_a_cut_lm_head_scores_its_rows_alone(checkpoints, rows):
     """``GPT2.head_rows``: the native pass packs the LM head over token ids [0, N) alone; their
