@@ -171,6 +171,30 @@ def test_perturbed_children_are_the_best_perturbed_scores(top_k):
         assert torch.allclose(logr[r].double(), s[want] - lse, atol=1e-4)
 
 
+def test_perturbed_children_over_whole_vocabularies_and_peaked_rows():
+    """The dense children are ranked by p' / (-log u) and normalised by its sum, never computing g
+    for every token (csrc: children_by_ratio). Over 8,192 tokens, flat and Zipf-shaped rows and
+    rows so peaked that most p' underflow float32 (there the ratio cannot rank the tail, and the
+    full scores must be taken), the k best must still be those of the float64 scores, and
+    log r = s - logsumexp(s)."""
+    g = torch.Generator().manual_seed(8)
+    v = 8192
+    ranks = torch.arange(1, v + 1, dtype=torch.float64)
+    peaked = torch.randn(v, generator=g) * 3
+    peaked[4321] = 120.0  # every other p' underflows
+    rows = [torch.randn(v, generator=g) * 1.0, (-1.1 * ranks.log()).float()[torch.randperm(v, generator=g)],
+            torch.randn(v, generator=g) * 60.0, peaked]
+    logits = torch.stack(rows)
+    for t, k in ((1.0, 1), (0.8, 4), (0.5, 3)):
+        positions = [21, 22, 23, 24]
+        idx, logr = _cpu.perturbed_children(logits, 17, positions, t, 0, k)
+        for r in range(len(rows)):
+            s = torch.log_softmax(logits[r].double() / t, 0) + gumbel_noise(17, positions[r], vocab_salt(v)).double()
+            want = sorted(range(v), key=lambda i: (-float(s[i]), i))[:k]
+            assert idx[r].tolist() == want, (t, k, r)
+            assert torch.allclose(logr[r].double(), s[want] - torch.logsumexp(s, 0), atol=1e-4), (t, k, r)
+
+
 def _reference_probs(row: torch.Tensor, t: float, top_k: int, top_p: float) -> torch.Tensor:
     """p' in float64 by a full stable sort (ALGORITHMS.md sec. 2): softmax(z / T), top-k, then
     every token whose mass ranked ahead is < top_p, renormalised; one-hot at T = 0."""
