@@ -316,7 +316,8 @@ constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
 // long as the L1 distance (shorter ones, like the demo draft's K = 80, are already covered by
 // it; there, prefetching the next run made two-row passes 1.03-1.11x slower). Demo oracle at 200
 // cached tokens, AVX2 Zen 3, on and off alternating per pass in one process: two-row passes
-// 0.91-0.95x (4 runs), three-row 0.98-0.99x; GPT-2-small shape 0.98x and 0.94x. Never changes a
+// 0.91-0.95x (4 runs), three-row 0.98-0.99x; GPT-2-small shape, one run of 12 passes each, two
+// rows 0.98x and three 0.94x. Never changes a
 // bit; ``set_l2_ahead`` sets the bound for comparisons.
 std::atomic<int64_t> g_l2_ahead{65536};
 
@@ -1520,7 +1521,8 @@ void register_native_forward(py::module& m) {
   m.def("set_group_runs", &set_group_runs,
         "set group_runs to 'auto', 'on' or 'off' (pinned, for comparisons of the two forms); returns the mode in "
         "force", py::arg("mode"));
-  m.def("l2_ahead", &l2_ahead, "bytes of L2 prefetch ahead in the weight streams of 1-3 row blocks (0: none)");
+  m.def("l2_ahead", &l2_ahead, "the longest run of weight groups, in bytes, whose next run a block of 2-3 rows "
+        "prefetches into L2 (0: never)");
   m.def("set_l2_ahead", &set_l2_ahead, "set l2_ahead (a multiple of 64 in [0, 1 MiB]; for comparisons); returns "
         "the value in force", py::arg("bytes"));
   m.def("kv_ahead", &kv_ahead, "slots of software prefetch ahead in attention's K and V streams (0: none)");

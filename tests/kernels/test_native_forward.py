@@ -548,7 +548,6 @@ def test_kv_prefetch_is_on_by_default_and_can_be_set():
         assert _cpu.set_kv_ahead(8) == 8
 
 
-
 def test_l2_prefetch_bound_is_64k_by_default_and_refuses_bad_values():
     """``l2_ahead``: the longest run of weight groups whose next run a two- or three-row block
     prefetches into L2, 64 KB by default; ``set_l2_ahead`` takes multiples of 64 in [0, 1 MiB] and
