@@ -317,8 +317,10 @@ constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
 // it; there, prefetching the next run made two-row passes 1.03-1.11x slower). Demo oracle at 200
 // cached tokens, AVX2 Zen 3, on and off alternating per pass in one process: two-row passes
 // 0.91-0.95x (4 runs), three-row 0.98-0.99x; GPT-2-small shape, one run of 12 passes each, two
-// rows 0.98x and three 0.94x. Never changes a
-// bit; ``set_l2_ahead`` sets the bound for comparisons.
+// rows 0.98x and three 0.94x. In a slower hour (one-row passes ~600 us instead of ~400) two runs
+// showed no difference beyond the noise either way, and a sampled chain of one token end to end
+// 0.993x: the gain depends on what the other guests leave of the L3, and no run measured a loss.
+// Never changes a bit; ``set_l2_ahead`` sets the bound for comparisons.
 std::atomic<int64_t> g_l2_ahead{65536};
 
 int64_t l2_ahead() { return g_l2_ahead.load(std::memory_order_relaxed); }
