@@ -213,6 +213,13 @@ float scaled_row(const float* row, int64_t V, float T, std::vector<float>& z, fl
   return mx + std::log(sum);
 }
 
+// s = (z - lse) + g(key) of the kLanes tokens at z, salts at salt: the one sequence of operations
+// every exact perturbed score takes (perturbed_scores, pruned_best; the scalar paths do the same
+// two float additions on gumbel()), so the paths that skip tokens agree bit for bit on the rest.
+inline vec vscore(const float* z, vec lse, uint32_t key, const uint32_t* salt) {
+  return vadd(vsub(vload(z), lse), vgumbel_salted(key, iload(salt)));
+}
+
 // s[i] = (z[i] - lse) + g(key)[i] for every token (padding stays -inf); returns the first argmax.
 int64_t perturbed_scores(const std::vector<float>& z, int64_t V, float lse, uint32_t key, std::vector<float>& s) {
   const int64_t padded = static_cast<int64_t>(z.size());
@@ -221,7 +228,7 @@ int64_t perturbed_scores(const std::vector<float>& z, int64_t V, float lse, uint
   vec best = vset1(kNegInf);
   const uint32_t* salt = salts(padded);
   for (int64_t j = 0; j < padded; j += kLanes) {
-    const vec x = vadd(vsub(vload(z.data() + j), vl), vgumbel_salted(key, iload(salt + j)));
+    const vec x = vscore(z.data() + j, vl, key, salt + j);
     vstore(s.data() + j, x);
     best = vmax(best, x);
   }
@@ -260,7 +267,7 @@ int64_t pruned_best(const std::vector<float>& z, int64_t V, float lse, uint32_t 
   int64_t best_id = -1;
   float best = kNegInf;
   auto score = [&](int64_t j) {  // the vector at j exactly; the padding past V stays out
-    const vec x = vadd(vsub(vload(z.data() + j), vl), vgumbel_salted(key, iload(salt + j)));
+    const vec x = vscore(z.data() + j, vl, key, salt + j);
     alignas(64) float lanes[kLanes];
     vstore(lanes, x);
     for (int64_t l = 0; l < kLanes && j + l < V; ++l)
