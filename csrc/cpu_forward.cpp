@@ -124,7 +124,20 @@ struct PackedLinear {
   const uint16_t* group_h(int64_t g) const { return (wh_base ? wh_base : wh.data()) + offset(g); }
   const float* group_f(int64_t g) const { return (wf_base ? wf_base : wf.data()) + offset(g); }
   size_t bytes() const { return static_cast<size_t>(panels * K * kLanes) * (half ? 2 : 4); }
+  // Bytes of one whole group (kPanels panels): one stream of a register block.
+  int64_t group_bytes() const { return K * kPanels * kLanes * (half ? 2 : 4); }
 };
+
+// The software prefetch distance in a product's weight streams once the weights outgrow the L2
+// caches: kPrefetchBytes, where that stays within the stream's own group; none for shorter
+// groups. A block over several groups reads them side by side, so the line kPrefetchBytes past
+// a short group lies in a group the same block is reading at that moment, or its neighbour is:
+// the prefetch fetches nothing new and costs a load slot per k. On an AVX2 Zen 3 (AMD EPYC), the
+// demo draft's K = 80 products have 2.5 KB groups: without it its LM head alone (1.3 MB) took
+// 0.60-0.84x the time over one row (6 pairs of processes; one pair 1.2x) and the draft's one-row
+// pass 0.93x (median of 10 pairs in one process). Its K = 320 product and all of the demo
+// oracle's (K >= 256) keep it.
+int64_t weight_ahead(const PackedLinear& L) { return L.group_bytes() >= kPrefetchBytes ? kPrefetchBytes : 0; }
 
 // Cuts panels [0, panels) into groups of at most kPanels within each of ``split`` threads' even
 // shares (see PackedLinear).
@@ -1012,11 +1025,13 @@ class NativeGPT2 {
     narrow_rows();  // the block form's probe, if this process has not run it, outside any pass
     // Weights that outgrow the threads' L2 caches stream from L3 or DRAM on every pass, further
     // ahead than the hardware prefetchers reach in a short run of one panel group: prefetch
-    // 4 KB ahead (measured on the demo oracle, 17 MB: 0.90-0.95x the pass time without). Weights
-    // the L2 caches hold (the demo draft's) gain nothing from it and pay its instructions.
+    // 4 KB ahead (measured on the demo oracle, 17 MB: 0.90-0.95x the pass time without), in each
+    // product whose groups are that long (weight_ahead). Weights the L2 caches hold gain nothing
+    // from it and pay its instructions.
     if (outgrows_l2(weight_bytes())) {
-      head_.ahead = kPrefetchBytes;
-      for (auto& b : blocks_) b.qkv.ahead = b.proj.ahead = b.fc.ahead = b.mproj.ahead = kPrefetchBytes;
+      head_.ahead = weight_ahead(head_);
+      for (auto& b : blocks_)
+        for (PackedLinear* p : {&b.qkv, &b.proj, &b.fc, &b.mproj}) p->ahead = weight_ahead(*p);
     }
   }
 
@@ -1422,7 +1437,7 @@ std::tuple<std::vector<double>, bool, int64_t> linear_seconds(const torch::Tenso
   SE_CHECK(repeats >= 1 && repeats <= 100000, "repeats must be in [1, 100000], got ", repeats);
   const int nt = forward_threads();
   PackedLinear L = pack_linear(weight, c10::nullopt, "weight", nt);
-  if (outgrows_l2(static_cast<int64_t>(L.bytes()))) L.ahead = kPrefetchBytes;
+  if (outgrows_l2(static_cast<int64_t>(L.bytes()))) L.ahead = weight_ahead(L);
   std::vector<float> x(rows * L.K), y(rows * L.M);
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 2654435761u) % 1000) * 1e-3f - 0.5f;
   std::vector<double> seconds;
