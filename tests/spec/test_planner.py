@@ -153,6 +153,23 @@ def test_the_first_look_at_each_drafting_arm_is_a_quarter_block():
     assert blocks[:5] == [(1, 4), (0, 16), (2, 4), (0, 16), (3, 4)], blocks
 
 
+@pytest.mark.parametrize("cold", [1.0, 1.7, 4.0])
+def test_a_drafting_blocks_cold_first_round_is_off_its_clock(cold):
+    """A drafted round after plain steps costs ``cold`` times a warm one (the draft's weights left
+    the caches while only the oracle ran); after another drafted round it costs what it does.
+    The arm is scored by its warm rate, 1.15x plain's, and plays almost all the time. Charged to
+    the blocks it starts, the cold round had the arm scored at 1.12x (cold 1.7) and at 0.97x,
+    behind plain steps (cold 4)."""
+    st, arms = Stints(arms=2), []
+    for _ in range(6000):
+        arm = st.arm
+        follows_plain = arm == 1 and st.rounds_left == st.block_rounds and st.prev_arm in (0, -1)
+        arms.append(arm)
+        st.record(2 if arm else 1, (2 / 1.15) * (cold if follows_plain else 1.0) if arm else 1.0)
+    assert st.score[1] == pytest.approx(math.log(1.15), abs=1e-3)
+    assert sum(arms[1000:]) / 5000 > 0.9
+
+
 def _rounds_to_follow(far: float) -> tuple[int, int]:
     """An arm at 0.6x plain for 12,000 rounds, then 1.4x (the text became one the draft
     follows), no noise: (its rounds before the change, rounds from the change until it plays
@@ -748,6 +765,7 @@ def test_the_drafts_catch_up_is_spread_over_the_tokens_left(engine, monkeypatch)
     memory = PlannerMemory(arms)
     memory.stints.arm, memory.stints.plan = fixed_1, [fixed_1] * 4
     memory.stints.rounds_left = memory.stints.block_rounds = 16  # whole blocks
+    memory.stints.warming = False  # blocks of a stint: every round on the clock
     drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["chain"])
     real = drafter.catch_up
     caught = []
