@@ -325,9 +325,9 @@ constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
 // two or three rows the loop issues its loads at half the pace per weight byte and the weights
 // came in slower than the FMAs used them (the demo oracle's two-row pass cost 1.12-1.24x its
 // one-row pass). It applies where a run spans at most ``l2_ahead`` bytes (0: never; 64 KB by
-// default, so the lookahead of every stream stays a fraction of L2) and a group is at least as
-// long as the L1 distance (shorter ones, like the demo draft's K = 80, are already covered by
-// it; there, prefetching the next run made two-row passes 1.03-1.11x slower). Demo oracle at 200
+// default, so the lookahead of every stream stays a fraction of L2) and the product has the L1
+// prefetch, i.e. groups at least as long as its distance (weight_ahead; over the demo draft's
+// K = 80 groups, prefetching the next run made two-row passes 1.03-1.11x slower). Demo oracle at 200
 // cached tokens, AVX2 Zen 3, on and off alternating per pass in one process: two-row passes
 // 0.91-0.95x (4 runs), three-row 0.98-0.99x; GPT-2-small shape, one run of 12 passes each, two
 // rows 0.98x and three 0.94x. In a slower hour (one-row passes ~600 us instead of ~400) two runs
@@ -475,8 +475,8 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
   const W* ws = w[0];
   // The L2 prefetch reads the same k of the group NG groups on: the next run's stream, which the
   // thread's layout places right after this run (see l2_ahead).
-  const int64_t group_bytes = L.K * NP * kLanes * static_cast<int64_t>(sizeof(W)), run_bytes = NG * group_bytes;
-  const int64_t far = NR >= 2 && ahead && group_bytes >= ahead && run_bytes <= l2_ahead() ? run_bytes : 0;
+  const int64_t run_bytes = NG * L.group_bytes();
+  const int64_t far = NR >= 2 && ahead && run_bytes <= l2_ahead() ? run_bytes : 0;
   int64_t off[NG];
   for (int g = 0; g < NG; ++g) off[g] = w[g] - w[0];
   vec acc[NG][NR][NP];

@@ -146,9 +146,9 @@ inline vec vgumbel_salted(uint32_t key, ivec salt) {
 inline vec vgumbel(uint32_t key, int64_t token0) { return vgumbel_salted(key, vsalt(token0)); }
 
 // An upper bound of g(key) for kLanes tokens from their salts: the same hash and u, then an
-// exponent read off instead of g's two logarithms. With w = 1 - u (exact in float: u is an odd multiple of 2^-24),
-// -log u >= w, so g = -log(-log u) <= -log w; and w = 2^e m with m in [1, 2) gives
-// -log w = -(e + log2 m) ln 2 <= -e ln 2. The bound is at most ln 2 above -log w.
+// exponent read off instead of g's two logarithms. With w = 1 - u (exact in float: u is an odd
+// multiple of 2^-24), -log u >= w, so g = -log(-log u) <= -log w; and w = 2^e m with m in [1, 2)
+// gives -log w = -(e + log2 m) ln 2 <= -e ln 2. The bound is at most ln 2 above -log w.
 inline vec vgumbel_bound_salted(uint32_t key, ivec salt) {
   const vec u = vuniform_salted(key, salt);
   const ivec biased = isrl<23>(icast(vsub(vset1(1.f), u)));  // w > 0: the sign bit is 0
@@ -574,10 +574,10 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> verify_tree(
 // computed for the k + 2 best ratios and ranked: the ratio and the float s round differently,
 // so two scores within rounding could trade places, never two further apart. The sum equals
 // sum_i e^(s_i - max) e^max in exact arithmetic and rounds differently in float: log r moved by
-// at most 3e-6 over 504 test rows. Demo oracle rows (8,192 tokens), AVX2 Zen 3, one child, old and new builds alternating
-// twice: 37.0-38.2 us became 28.2-28.5. false (the caller takes perturbed_scores' path) for a row
-// with a NaN, and for one so peaked that a candidate scores within reach of tokens whose p'
-// underflowed.
+// at most 3e-6 over 504 test rows. Demo oracle rows (8,192 tokens), AVX2 Zen 3, one child, old
+// and new builds alternating twice: 37.0-38.2 us became 28.2-28.5. Returns false (the caller
+// takes perturbed_scores' path) for a row with a NaN, and for one so peaked that a candidate
+// scores within reach of tokens whose p' underflowed.
 bool children_by_ratio(const std::vector<float>& z, int64_t V, float lse, uint32_t key, int64_t k,
                        std::vector<float>& q, std::vector<std::pair<float, int64_t>>& cand, float& norm) {
   const int64_t padded = static_cast<int64_t>(z.size());

@@ -314,7 +314,7 @@ class Stints:
             self._watch(self.arm, self.tokens / timed)
         self.tokens = self.seconds = 0.0
         a, b = self.arm, self.prev_arm
-        if timed > 0 and rate > 0:
+        if rate > 0:  # a block with timed rounds (each emits a token)
             self.last[a] = rate
             if b >= 0 and b != a and self.last[b] > 0:
                 self._pair(a, b, math.log(rate / self.last[b]))
