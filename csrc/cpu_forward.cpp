@@ -459,15 +459,25 @@ class FormChooser {
 
 #if !defined(__AVX512F__)
 
+// ``finish``'s epilogue for one vector v = x W^T (+ b) headed for ``out``, with ``EP`` known
+// at compile time: the same operations in the same order, so the same bits.
+template <Epilogue EP>
+inline vec epilogue(vec v, const float* out) {
+  if constexpr (EP == Epilogue::kResidual) return vadd(vload(out), v);
+  else if constexpr (EP == Epilogue::kGeluTanh) return vgelu_tanh(v);
+  else if constexpr (EP == Epilogue::kRelu) return vmax(v, vzero());
+  else return v;
+}
+
 // Rows [r0, r0 + NR) of NG whole panel groups (kPanels panels each, first panels p0[0..NG)),
 // weights w[0..NG); as ``block`` for each group, interleaved. Its loop broadcasts the rows first
 // and widens each weight vector just before its FMAs, which suits these few rows; ``block``
 // widens the weights first and broadcasts one row at a time, which keeps a block of 6 rows
 // within the 16 ymm registers (6 broadcasts held at once would not fit), so the two loops stay
 // apart.
-template <int NR, int NG, typename W>
+template <int NR, int NG, Epilogue EP, typename W>
 inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L, const float* x, int64_t ldx,
-                         float* y, int64_t ldy, int64_t r0, const int64_t* p0, Epilogue ep) {
+                         float* y, int64_t ldy, int64_t r0, const int64_t* p0) {
   constexpr int NP = kPanels;
   // One stream pointer and each group's distance from it, so that GCC keeps the pointers and
   // the accumulators in registers (an array of NG pointers advanced in the loop, or accumulators
@@ -500,11 +510,41 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
       }
     }
   }
+  // The epilogue straight from the registers, with EP fixed at compile time: the generic
+  // ``finish`` takes the accumulators through the stack and tests the epilogue, the bias and the
+  // tail for every vector, which over the short groups of a small model (K = 80 in the demo
+  // draft) cost as much as a tenth of the loop. Only a group that ends past M (never in the demo
+  // pair) and the per-lane erf gelu go through ``finish``.
+  const float* bias = L.bias.empty() ? nullptr : L.bias.data();
   for (int g = 0; g < NG; ++g) {
+    if (EP != Epilogue::kGelu && (p0[g] + NP) * kLanes <= L.M) {
+      for (int j = 0; j < NP; ++j) {
+        const int64_t col = (p0[g] + j) * kLanes;
+        const vec bv = bias ? vload(bias + col) : vzero();
+        for (int r = 0; r < NR; ++r) {
+          float* out = y + (r0 + r) * ldy + col;
+          vstore(out, epilogue<EP>(bias ? vadd(acc[g][r][j], bv) : acc[g][r][j], out));
+        }
+      }
+      continue;
+    }
     vec out[NR][NP];
     for (int r = 0; r < NR; ++r)
       for (int j = 0; j < NP; ++j) out[r][j] = acc[g][r][j];
-    finish<NR, NP>(out, L, y, ldy, r0, p0[g], ep);
+    finish<NR, NP>(out, L, y, ldy, r0, p0[g], EP);
+  }
+}
+
+// block_groups with the epilogue chosen at run time.
+template <int NR, int NG, typename W>
+inline void block_groups_ep(const W* const* w, int64_t ahead, const PackedLinear& L, const float* x, int64_t ldx,
+                            float* y, int64_t ldy, int64_t r0, const int64_t* p0, Epilogue ep) {
+  switch (ep) {
+    case Epilogue::kStore: block_groups<NR, NG, Epilogue::kStore>(w, ahead, L, x, ldx, y, ldy, r0, p0); break;
+    case Epilogue::kResidual: block_groups<NR, NG, Epilogue::kResidual>(w, ahead, L, x, ldx, y, ldy, r0, p0); break;
+    case Epilogue::kGeluTanh: block_groups<NR, NG, Epilogue::kGeluTanh>(w, ahead, L, x, ldx, y, ldy, r0, p0); break;
+    case Epilogue::kGelu: block_groups<NR, NG, Epilogue::kGelu>(w, ahead, L, x, ldx, y, ldy, r0, p0); break;
+    case Epilogue::kRelu: block_groups<NR, NG, Epilogue::kRelu>(w, ahead, L, x, ldx, y, ldy, r0, p0); break;
   }
 }
 
@@ -525,7 +565,7 @@ void few_rows_groups(const PackedLinear& L, const W* (PackedLinear::*group)(int6
       whole = whole && L.group_panels(g + i) == kPanels;
     }
     if (!whole) break;
-    block_groups<NR, NG>(w, L.ahead, L, x, ldx, y, ldy, 0, p0, ep);
+    block_groups_ep<NR, NG>(w, L.ahead, L, x, ldx, y, ldy, 0, p0, ep);
   }
   for (; g < g1; ++g) {
     const int np = static_cast<int>(L.group_panels(g));
