@@ -41,6 +41,7 @@
 #include <type_traits>
 
 #include <unistd.h>
+#include <unordered_map>
 #include <vector>
 
 #include "cpu_errors.h"
@@ -1464,6 +1465,93 @@ std::tuple<std::vector<int64_t>, double> plain_steps(NativeGPT2& model, torch::T
   return {out, forward_seconds};
 }
 
+// Plain decoding's steps with prompt lookup, the cheapest stage of all (no draft model): before
+// each pass, the tokens that followed the most recent earlier occurrence of the context's last
+// 3 tokens (else 2, ... down to ``min_order``), as ContextLookup.propose does, up to ``depth`` of
+// them, ride along: one pass over the root and that chain, walked with the sampling rule as
+// verify_tree walks a chain (each row's choice at its position's noise; a token is kept while the
+// choice equals it). No proposal: a plain step. A pass over 2-3 rows costs about what one row
+// does where the weights stream from the caches (demo oracle, AVX2 Zen 3: 1.06-1.13x), and the
+// oracle's own text repeats its context, so a kept guess is a token for a fraction of a pass.
+// Every token is the oracle's choice at its position, so the tokens and the cache entries are
+// plain_steps' (tested bit for bit): the kept entries of a pass are a prefix of its chain, in
+// place, and the rejected ones are overwritten by the next pass before any pass can see them.
+// ``history`` is every token before ``root`` (the lookup's context); the token at position p is
+// written to slot p, from slot ``start``. At most ``n`` tokens, stopping after ``stop_token``
+// (-1: none); the kept entries stay pending, one per token returned, as plain_steps leaves them.
+// Returns (tokens, forward seconds, tokens emitted by each pass, tokens proposed, proposed tokens kept).
+std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t> lookup_steps(
+    NativeGPT2& model, torch::Tensor k, torch::Tensor v, int64_t start, const std::vector<int64_t>& history, int64_t root,
+    int64_t n, double temperature, int64_t top_k, double top_p, uint64_t seed, int64_t stop_token, int64_t depth,
+    int64_t min_order) {
+  constexpr int kOrder = 3;  // ContextLookup.ORDER
+  SE_CHECK(n >= 1, "n must be >= 1, got ", n);
+  SE_CHECK(start >= 0, "start must be >= 0, got ", start);
+  SE_CHECK(depth >= 0 && depth <= 8, "depth must be in [0, 8], got ", depth);
+  SE_CHECK(min_order >= 1 && min_order <= kOrder, "min_order must be in [1, ", kOrder, "], got ", min_order);
+  // Token ids are keys of 21 bits each (3 to a 64-bit key): far above any GPT-2 vocabulary.
+  constexpr int64_t kIdBound = int64_t(1) << 21;
+  SE_CHECK(root >= 0 && root < kIdBound, "root must be a token id in [0, 2^21), got ", root);
+  for (const int64_t t : history)
+    SE_CHECK(t >= 0 && t < kIdBound, "history must hold token ids in [0, 2^21), got ", t);
+  using clock = std::chrono::steady_clock;
+  std::vector<int64_t> seq(history);
+  seq.reserve(history.size() + static_cast<size_t>(n) + 1);
+  seq.push_back(root);
+  // after[m - 1][the m tokens ending at i - 1] = i, the index that followed their latest occurrence.
+  std::unordered_map<uint64_t, int64_t> after[kOrder];
+  auto key = [&](int64_t end, int m) {  // the m tokens seq[end - m .. end)
+    uint64_t h = 0;
+    for (int64_t i = end - m; i < end; ++i) h = (h << 21) | static_cast<uint64_t>(seq[static_cast<size_t>(i)]);
+    return h;
+  };
+  auto index_to = [&](int64_t i) {  // every m-gram ending at i - 1 is followed by index i
+    for (int m = min_order; m <= kOrder && m <= i; ++m) after[m - 1][key(i, m)] = i;
+  };
+  for (int m = min_order; m <= kOrder; ++m) after[m - 1].reserve(seq.size() + static_cast<size_t>(n));
+  for (int64_t i = 1; i < static_cast<int64_t>(seq.size()); ++i) index_to(i);
+  std::vector<int64_t> out, chain, positions, next, lengths;
+  out.reserve(static_cast<size_t>(n));
+  int64_t slot = start, proposed = 0, kept = 0;
+  double forward_seconds = 0.0;
+  while (static_cast<int64_t>(out.size()) < n) {
+    const int64_t len = static_cast<int64_t>(seq.size());
+    const int64_t room = std::min<int64_t>(depth, n - static_cast<int64_t>(out.size()) - 1);
+    chain.assign(1, seq.back());
+    for (int m = std::min<int64_t>(kOrder, len); room > 0 && m >= min_order; --m) {
+      const auto it = after[m - 1].find(key(len, m));
+      if (it == after[m - 1].end()) continue;
+      for (int64_t j = it->second; j < len && static_cast<int64_t>(chain.size()) <= room; ++j)
+        chain.push_back(seq[static_cast<size_t>(j)]);
+      break;
+    }
+    const int64_t rows = static_cast<int64_t>(chain.size());
+    positions.resize(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) positions[static_cast<size_t>(i)] = slot + i;
+    const auto t0 = clock::now();
+    // Slots slot.. as a committed row of length ``slot`` with ``rows`` new entries (bounds checked there).
+    const torch::Tensor logits = model.forward_ids(chain, positions, k, v, slot, rows, c10::nullopt, false);
+    forward_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+    proposed += rows - 1;
+    lengths.push_back(0);
+    for (int64_t i = 0; i < rows; ++i) {
+      next.assign(1, slot + i + 1);
+      const int64_t y = choose_rows(logits.narrow(0, i, 1), seed, next, temperature, top_k, top_p)[0];
+      out.push_back(y);
+      ++lengths.back();
+      seq.push_back(y);
+      index_to(static_cast<int64_t>(seq.size()) - 1);
+      if (y == stop_token) return {out, forward_seconds, lengths, proposed, kept};
+      if (i + 1 >= rows || y != chain[static_cast<size_t>(i + 1)]) {
+        slot += i + 1;  // the root and the i kept tokens are in place; the rest is overwritten
+        break;
+      }
+      ++kept;
+    }
+  }
+  return {out, forward_seconds, lengths, proposed, kept};
+}
+
 // The native linear kernel alone, for the microbenchmark of what bounds an N-node pass
 // (bench/linear.py): seconds of each of ``repeats`` calls of y (rows, M) = x (rows, K) W^T, with W
 // packed as the decoder packs it (float16 when every value is fp16-exact, else float32; the same
@@ -1595,6 +1683,13 @@ void register_native_forward(py::module& m) {
         py::arg("model"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("root"), py::arg("n"),
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("lookup_steps", &lookup_steps,
+        "up to n decoding steps of cache row 0 in one call, as plain_steps, each pass also verifying the tokens "
+        "prompt lookup finds after the context's last 3 (down to `min_order`) tokens, at most `depth`; entries left "
+        "pending; (tokens, forward seconds, tokens of each pass, proposed, kept)",
+        py::arg("model"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("history"), py::arg("root"),
+        py::arg("n"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token"),
+        py::arg("depth"), py::arg("min_order"), py::call_guard<py::gil_scoped_release>());
   m.def("chain_round", &chain_round,
         "one round of a draft chain, fixed or planned: the draft's passes, the oracle's pass and the acceptance walk, "
         "entries left pending; (chain, log r, path, emitted, draft passes, draft seconds, oracle seconds)",

@@ -146,6 +146,31 @@ class ModelRunner:
         self.cache.commit(list(range(len(tokens))))
         return tokens
 
+    def lookup_steps(self, root: int, n: int, rule: tuple, history: list[int], depth: int, min_order: int,
+                     stop_token: int | None = None) -> tuple[list[int], list[int], int, int] | None:
+        """``steps`` with prompt lookup riding along (``_cpu.lookup_steps``): each pass also verifies
+        up to ``depth`` tokens that followed the latest earlier occurrence of the context's last
+        3 (down to ``min_order``) tokens in ``history`` (every token before ``root``) and what
+        the call emits. The same tokens and cache entries as ``steps``, committed. Returns
+        (tokens, tokens emitted by each pass, tokens proposed, proposed tokens kept), or None off
+        the native path."""
+        native = self._native
+        if native is None or self.cache.pending:
+            return None
+        start = self.length
+        self.cache.append(n)  # checks the room for n entries
+        t, top_k, top_p, seed = rule
+        try:
+            tokens, seconds, lengths, proposed, kept = _cpu.lookup_steps(
+                native, self.cache.k, self.cache.v, start, history, root, n, t, top_k, top_p, seed or 0,
+                -1 if stop_token is None else stop_token, depth, min_order)
+        except BaseException:
+            self.cache.discard()
+            raise
+        self.count(len(lengths), seconds, len(tokens))
+        self.cache.commit(list(range(len(tokens))))
+        return tokens, lengths, proposed, kept
+
     @property
     def pending(self) -> int:
         """Entries written by ``forward_nodes`` since the last commit."""

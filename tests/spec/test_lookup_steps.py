@@ -1,0 +1,147 @@
+"""Plain steps with prompt lookup riding along (``_cpu.lookup_steps``, ``ModelRunner.lookup_steps``,
+the staged planner's ``lookup_steps`` arm) against independent references: a Python loop of
+one-token passes on the torch path (no native code) choosing by ``sampling.choose``, and
+``ContextLookup``, the Python prompt lookup, for what each pass proposes. The same tokens, the same
+stop at a stop token, cache entries bit-equal to ``plain_steps``' (the kept entries of a pass are
+a prefix of its chain, in place); guesses were proposed and kept; bad arguments are refused with
+a message naming them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from staged_engine.model.backend import TorchBackend, _cpu
+from staged_engine.model.checkpoint import load_model
+from staged_engine.model.runner import ModelRunner
+from staged_engine.sampling import SamplingConfig, SamplingParams, choose
+from staged_engine.spec.drafters import ContextLookup
+
+pytestmark = pytest.mark.skipif(_cpu is None, reason="needs the staged_engine._cpu extension")
+
+RULES = [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, seed=7),
+         SamplingParams(temperature=1.0, top_p=0.9, seed=11), SamplingParams(temperature=0.7, seed=3)]
+# A prompt that repeats itself, so that prompt lookup has matches from the first pass on.
+PROMPT = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+
+
+def _reference(model, sampling, prompt, n, stop_token=None):
+    """Tokens and committed K/V of a Python loop on the torch path (native=False)."""
+    runner = ModelRunner(model, TorchBackend(native=False))
+    runner.reset()
+    runner.prefill(prompt[:-1])
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        logits = runner.step(last)
+        last = int(choose(logits[None].double(), [runner.length], sampling.params, sampling.noise)[0])
+        out.append(last)
+        if last == stop_token:
+            break
+    return out, runner
+
+
+def _lookup(model, sampling, prompt, n, depth, order, stop_token=None, chunk=9):
+    """Calls of ``ModelRunner.lookup_steps`` of at most ``chunk`` tokens, as a decoder makes them."""
+    runner = ModelRunner(model, TorchBackend(native=True))
+    runner.reset()
+    runner.prefill(prompt[:-1])
+    history, root, out, lengths, proposed, kept = list(prompt[:-1]), prompt[-1], [], [], 0, 0
+    while len(out) < n and (not out or out[-1] != stop_token):
+        got = runner.lookup_steps(root, min(chunk, n - len(out)), sampling.rule, history, depth, order, stop_token)
+        assert got is not None
+        tokens, lens, p, k = got
+        assert 1 <= len(tokens) <= min(chunk, n - len(out)) and sum(lens) == len(tokens)
+        history += [root] + tokens[:-1]
+        root = tokens[-1]
+        out += tokens
+        lengths += lens
+        proposed, kept = proposed + p, kept + k
+    return out, runner, lengths, proposed, kept
+
+
+@pytest.mark.parametrize("depth,order", [(1, 3), (2, 3), (3, 2), (8, 1)])
+@pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p", "temperature"])
+def test_lookup_steps_equal_a_python_loop_and_plain_steps(pair, params, depth, order):
+    model = load_model(pair[0])
+    sampling = SamplingConfig.make(params, model.config.vocab_size)
+    n = 40
+    with torch.inference_mode():
+        want, ref = _reference(model, sampling, PROMPT, n)
+        got, runner, lengths, proposed, kept = _lookup(model, sampling, PROMPT, n, depth, order)
+        plain = ModelRunner(model, TorchBackend(native=True))
+        plain.reset()
+        plain.prefill(PROMPT[:-1])
+        steps = plain.steps(PROMPT[-1], n, sampling.rule)
+    assert got == want == steps
+    assert runner.length == ref.length == plain.length == len(PROMPT) - 1 + n
+    assert runner.cache.pending == 0
+    k = runner.length
+    # Bit for bit the entries of one-token passes (a row's numbers do not depend on the pass's rows) ...
+    assert torch.equal(runner.cache.k[..., :k, :], plain.cache.k[..., :k, :])
+    assert torch.equal(runner.cache.v[..., :k, :], plain.cache.v[..., :k, :])
+    # ... and within rounding of the torch path's.
+    assert torch.allclose(runner.cache.k[..., :k, :], ref.cache.k[..., :k, :], atol=1e-4, rtol=1e-4)
+    # Every pass emitted its kept guesses and one token of its own; passes are counted as calls.
+    assert sum(lengths) == n and len(lengths) == runner.calls - 1 and kept == n - len(lengths)
+    assert proposed > 0 and kept <= proposed <= depth * len(lengths)
+    if params.greedy and order <= 2:  # this model's greedy text repeats tokens and pairs: guesses are kept
+        assert kept > 0
+
+
+def test_each_pass_proposes_what_context_lookup_proposes(pair):
+    """Pass by pass, the guesses are ContextLookup's (the Python prompt lookup): the chain after
+    the latest earlier occurrence of the context's last 3 tokens, else 2, down to ``order``."""
+    model = load_model(pair[0])
+    sampling = SamplingConfig.make(SamplingParams(), model.config.vocab_size)
+    depth, order = 3, 2
+    with torch.inference_mode():
+        got, _, lengths, proposed, kept = _lookup(model, sampling, PROMPT, 40, depth, order, chunk=1000)
+    context = list(PROMPT)
+    expect_proposed = expect_kept = 0
+    at = 0
+    for length in lengths:
+        room = min(depth, 40 - at - 1)
+        guess = ContextLookup(list(context)).propose(room, order) if room > 0 else []
+        emitted = got[at:at + length]
+        kept_here = 0
+        while kept_here < len(guess) and emitted[kept_here] == guess[kept_here]:
+            kept_here += 1
+        assert length == min(kept_here, len(guess)) + 1  # the kept guesses, then the oracle's own
+        expect_proposed += len(guess)
+        expect_kept += length - 1
+        context += emitted
+        at += length
+    assert (proposed, kept) == (expect_proposed, expect_kept)
+    assert expect_kept > 0 and expect_proposed > expect_kept  # guesses were kept, and refused
+
+
+def test_lookup_steps_stop_after_the_stop_token(pair):
+    model = load_model(pair[0])
+    sampling = SamplingConfig.make(SamplingParams(), model.config.vocab_size)
+    with torch.inference_mode():
+        free, _ = _reference(model, sampling, PROMPT, 30)
+        stop = free[17]
+        cut = free.index(stop) + 1
+        got, runner, _, _, _ = _lookup(model, sampling, PROMPT, 30, 3, 2, stop_token=stop, chunk=30)
+    assert got == free[:cut]
+    assert runner.length == len(PROMPT) - 1 + cut and runner.cache.pending == 0
+
+
+def test_lookup_steps_refuse_bad_arguments(pair):
+    model = load_model(pair[0])
+    runner = ModelRunner(model, TorchBackend(native=True))
+    runner.reset()
+    runner.prefill([1, 2, 3])
+    args = dict(model=runner.native, k_cache=runner.cache.k, v_cache=runner.cache.v, start=3, history=[1, 2, 3],
+                root=4, n=2, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_token=-1, depth=2, min_order=3)
+    _cpu.lookup_steps(**args)  # valid
+    for change, message in [({"n": 0}, "n must be >= 1"), ({"depth": -1}, "depth must be in"),
+                            ({"depth": 9}, "depth must be in"), ({"min_order": 0}, "min_order must be in"),
+                            ({"min_order": 4}, "min_order must be in"), ({"history": [1, -2, 3]}, "history must hold"),
+                            ({"root": -1}, "root must be a token id"),
+                            ({"root": model.config.vocab_size}, "outside the vocabulary"),
+                            ({"start": runner.max_len - 1}, "exceed the cache"), ({"top_p": 0.0}, "top_p must be in")]:
+        with pytest.raises(ValueError, match=message):
+            _cpu.lookup_steps(**{**args, **change})
+    with pytest.raises(ValueError, match="KV cache overflow"):  # the runner checks the room first
+        runner.lookup_steps(4, runner.max_len, (0.0, 0, 1.0, 0), [1, 2, 3], 2, 3)
+    assert runner.cache.pending == 0 and runner.length == 3
