@@ -324,7 +324,7 @@ class Engine:
         band = temperature_band(config.params.temperature)
         key = (config.strategy, config.spec.shape, config.spec.ngram_widths, config.params.greedy, band)
         return self._memory(key, lambda: {
-            "schema": 4, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
+            "schema": 5, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
             "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
             "greedy": config.params.greedy, "temperature_band": band}, arms_for(config.strategy == "staged"))
 

@@ -179,6 +179,12 @@ class SpeculativeDecoder(Decoder):
             self.drafter.skip(out)
             planner.observe_steps(len(out), clock.seconds())
             return out
+        steps = planner.steps_arm()
+        if steps is not None:  # the rest of a block of steps with prompt lookup, in one native call
+            out, passes = self.lookup_steps(min(remaining, planner.plain_steps()), steps.depth, steps.order)
+            self.drafter.skip(out)
+            planner.observe_lookup_steps(len(out), passes, clock.seconds())
+            return out
         drafting = planner.drafting()
         if drafting and len(self.drafter.unseen) > 4:
             # The draft's backlog (the prompt, or what plain steps left) is the price of drafting
@@ -215,6 +221,21 @@ class SpeculativeDecoder(Decoder):
 
     def extra_stats(self) -> dict:
         return {} if self.planner is None else {"planner": self.planner.summary()}
+
+    def lookup_steps(self, n: int, depth: int, order: int) -> tuple[list[int], int]:
+        """Up to ``n`` oracle passes of plain steps, each also verifying up to ``depth`` tokens
+        prompt lookup finds after the context's last 3 (down to ``order``) tokens, in one native
+        call (``ModelRunner.lookup_steps``; plain steps off the native path): the tokens, which are
+        plain decoding's, and the passes they took."""
+        got = self.oracle.lookup_steps(self.root, n, self.sampling.rule, self.drafter.history[:-1], depth, order,
+                                       self.stop_token) if n > 0 else None
+        if got is None:
+            out = self.plain_steps(n)
+            return out, len(out)
+        out, lengths, _, _ = got
+        self.root = out[-1]
+        self.accepted_lengths.extend(lengths)
+        return out, len(lengths)
 
     def _native_chain(self, remaining: int, depth: int, planner: RoundPlanner | None = None,
                       budget: int | None = None) -> list[int] | None:

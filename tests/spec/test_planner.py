@@ -702,6 +702,49 @@ def test_rounds_of_prompt_lookup_equal_plain(engine, kw):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
+def test_blocks_of_lookup_steps_equal_plain(engine, kw):
+    """The arm of plain steps with prompt lookup riding along (``_cpu.lookup_steps``), a block of
+    it, then a drafting arm whose draft must first catch up on all of it: the output is plain
+    decoding's, the block ran its 48 passes, and each pass's tokens are one round's."""
+    from staged_engine.config import SHAPE_LIMITS
+    from staged_engine.model.runner import ModelRunner
+    from staged_engine.sampling import SamplingConfig, SamplingParams
+    from staged_engine.spec.decoders import SpeculativeDecoder
+    from staged_engine.spec.drafters import ModelDrafter
+    from staged_engine.spec.planner import PlannerMemory
+
+    arms = list(arms_for(True))
+    steps = next(i for i, a in enumerate(arms) if a.steps)
+    assert arms[steps].lookup and not arms[steps].lookup_first
+    # Guesses after a 1-token match: this random model's greedy text repeats tokens, not 3-grams.
+    arms[steps] = arms[steps]._replace(depth=3, order=1)
+    arms = tuple(arms)
+    costs = (engine.cost_profile("oracle"), engine.cost_profile("draft"))
+    sampling = SamplingConfig.make(SamplingParams(**kw), VOCAB)
+    kept = 0
+    for prompt in [[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]] + _prompts(2, 7):
+        want = engine.generate(prompt, max_new_tokens=100, strategy="plain", **kw).token_ids
+        memory = PlannerMemory(arms)
+        memory.stints.arm, memory.stints.plan = steps, [2] * 50  # a block, then fixed_1
+        memory.stints.rounds_left = memory.stints.block_rounds = 48  # a long one
+        memory.stints.warming = False
+        drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["staged"])
+        oracle = ModelRunner(engine.oracle, engine.backend)
+        dec = SpeculativeDecoder(oracle, sampling, drafter, "staged", lambda: RoundPlanner(*costs, memory))
+        got = []
+        with torch.inference_mode():
+            dec.start(prompt)
+            while len(got) < 100:
+                got += dec.round(100 - len(got))
+        assert got == want
+        assert memory.stints.rounds[steps] == 48 and memory.stints.rounds[2] > 0
+        assert dec.planner.lookup_step_rounds == 48
+        kept += sum(dec.accepted_lengths[:48]) - 48  # the block's passes: each kept guess made one longer
+    if not kw:
+        assert kept > 0  # guesses were kept
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
 def test_lookup_or_draft_rounds_equal_plain(engine, kw, monkeypatch):
     """The lookup-first arm: prompt lookup's chain in the rounds where the context's last 3
     tokens were seen before, the draft's fixed chain (natively, caught up on what lookup rounds
