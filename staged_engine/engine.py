@@ -326,7 +326,8 @@ class Engine:
         return self._memory(key, lambda: {
             "schema": 5, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
             "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
-            "greedy": config.params.greedy, "temperature_band": band}, arms_for(config.strategy == "staged"))
+            "greedy": config.params.greedy, "temperature_band": band},
+            arms_for(config.strategy == "staged", config.params.greedy))
 
     def _dsbd_memory(self, config: GenerationConfig) -> PlannerMemory:
         """DSBD's planner memory for this width, layout and set of knobs, greedy or sampling;

@@ -184,17 +184,26 @@ class Arm(NamedTuple):
     order: int = 0
 
 
-def arms_for(staged: bool) -> tuple[Arm, ...]:
+def arms_for(staged: bool, greedy: bool = True) -> tuple[Arm, ...]:
     """The arms of a strategy: plain steps, planned rounds (staged's with the n-gram stage) and
     the draft's fixed chains (the chain strategy's); for staged also prompt lookup's chains and
-    the lookup-or-draft chains. (Fixed chains with the n-gram stage's proposals were arms too:
-    they run on the Python path, and every memory kept on the project's machines scored them
-    below the native fixed chain of the same depth, so they only cost exploration.)"""
+    the lookup-or-draft chains, and when decoding greedily plain steps with prompt lookup. (Fixed
+    chains with the n-gram stage's proposals were arms too: they run on the Python path, and
+    every memory kept on the project's machines scored them below the native fixed chain of the
+    same depth, so they only cost exploration.)
+
+    Plain steps with prompt lookup are no arm when sampling: there its guesses are rarely kept
+    (see LOOKUP_STEPS) and its blocks run within a few percent of plain steps' (0.985x and 0.94x
+    where they were timed), closer than the clock tells apart, so it played about as often as
+    plain steps and cost a few percent each time: in the e2e bench at a235d93 (AVX2 Zen 3), the
+    prompts where it was favoured ran at 0.92x (top-p) and 0.95x (top-k) plain, the others at
+    0.99x and 0.97x; greedy, 1.08x against 1.03x for lookup-or-draft's."""
     arms = [Arm("plain"), Arm("planned"), *(Arm(f"fixed_{d}", d, False) for d in FIXED_DEPTHS)]
     if staged:
         arms += [Arm(f"lookup_{LOOKUP_DEPTH}", LOOKUP_DEPTH, False, True)]
         arms += [Arm(f"lookup_or_fixed_{d}", d, False, False, True) for d in (2, 3)]
-        arms += [Arm(f"lookup_steps_{d}", d, False, True, steps=True, order=o) for d, o in LOOKUP_STEPS]
+        if greedy:
+            arms += [Arm(f"lookup_steps_{d}", d, False, True, steps=True, order=o) for d, o in LOOKUP_STEPS]
     return tuple(arms)
 
 

@@ -701,6 +701,22 @@ def test_rounds_of_prompt_lookup_equal_plain(engine, kw):
         assert memory.stints.rounds[lookup] == 16 and memory.stints.rounds[2] > 0
 
 
+def test_plain_steps_with_lookup_are_an_arm_of_greedy_staged_only(pair):
+    """The arm of plain steps with prompt lookup is offered to staged's greedy memory, not when
+    sampling (its guesses are rarely kept there) and not to chain's."""
+    from staged_engine import NGramModel
+
+    names = lambda arms: [a.name for a in arms if a.steps]  # noqa: E731
+    assert names(arms_for(True, greedy=True)) == ["lookup_steps_2"]
+    assert names(arms_for(True, greedy=False)) == [] and names(arms_for(False)) == []
+    engine = Engine.from_pretrained(pair[0], draft=pair[1])
+    engine.ngram = NGramModel.build(_prompts(20, 5), order=3, vocab_size=VOCAB)
+    prompt = _prompts(1, 3)[0]
+    greedy = engine.generate(prompt, max_new_tokens=8, strategy="staged").stats["planner"]["arms"]
+    sampled = engine.generate(prompt, max_new_tokens=8, strategy="staged", temperature=0.8, seed=1).stats["planner"]["arms"]
+    assert "lookup_steps_2" in greedy and "lookup_steps_2" not in sampled and "lookup_or_fixed_2" in sampled
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
 def test_blocks_of_lookup_steps_equal_plain(engine, kw):
     """The arm of plain steps with prompt lookup riding along (``_cpu.lookup_steps``), a block of
