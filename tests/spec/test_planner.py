@@ -170,6 +170,22 @@ def test_a_drafting_blocks_cold_first_round_is_off_its_clock(cold):
     assert sum(arms[1000:]) / 5000 > 0.9
 
 
+def test_a_block_of_plain_steps_with_lookup_is_on_its_clock_from_its_first_round():
+    """An arm of plain steps with prompt lookup (``steps_arms``) has no draft to go cold: its
+    first round after plain steps is timed like the rest. Every round of it is 1.15x plain's,
+    and it is scored at exactly that; the same arm left off ``steps_arms`` plays its first
+    rounds off the clock."""
+    for steps_arms, warm in [((1,), False), ((), True)]:
+        st = Stints(arms=2, steps_arms=steps_arms)
+        seen = []
+        for _ in range(6000):
+            if st.arm == 1 and st.rounds_left == st.block_rounds:
+                seen.append(st.warming)
+            st.record(2 if st.arm else 1, (2 / 1.15) if st.arm else 1.0)
+        assert seen and any(w == warm for w in seen) and (warm or not any(seen))
+        assert st.score[1] == pytest.approx(math.log(1.15), abs=1e-3)
+
+
 def _rounds_to_follow(far: float) -> tuple[int, int]:
     """An arm at 0.6x plain for 12,000 rounds, then 1.4x (the text became one the draft
     follows), no noise: (its rounds before the change, rounds from the change until it plays
