@@ -148,9 +148,10 @@ class RoundCost:
 
 # The ways of running rounds that ``Stints`` compares on the clock: plain steps, the rounds
 # ``RoundPlanner`` plans, and the draft's fixed chains of 1-3 tokens; for staged also chains of
-# up to 3 tokens from prompt lookup alone (no draft pass: ``ContextLookup``), and chains of 2-3
+# up to 3 tokens from prompt lookup alone (no draft pass: ``ContextLookup``), chains of 2-3
 # tokens that come from prompt lookup in the rounds where the context's last 3 tokens were seen
-# before and from the draft in the others. A planned round of a chain without an inner stage
+# before and from the draft in the others, and, greedy, plain steps with prompt lookup riding
+# along (``LOOKUP_STEPS``, ``Arm.steps``). A planned round of a chain without an inner stage
 # (the chain strategy's) runs in one native call (``chain_rule``). A cost model can under- or
 # over-draft, and an n-gram stage can cost more than it saves on some machine: a fixed way the
 # clock finds faster here is played instead, and plain steps when nothing drafted pays.
