@@ -172,7 +172,7 @@ LOOKUP_STEPS = ((2, 3),)
 
 class Arm(NamedTuple):
     name: str
-    depth: int | None = None  # a fixed chain's depth; None: plain steps or planned rounds
+    depth: int | None = None  # a fixed chain's or a lookup's depth; None: plain steps or planned rounds
     inner: bool = True  # whether the inner stage (n-gram) proposes
     lookup: bool = False  # the chain comes from prompt lookup, with no draft pass
     # Round by round: prompt lookup's chain when the context's last ContextLookup.ORDER tokens

@@ -49,7 +49,11 @@ def _lookup(model, sampling, prompt, n, depth, order, stop_token=None, chunk=9):
         got = runner.lookup_steps(root, min(chunk, n - len(out)), sampling.rule, history, depth, order, stop_token)
         assert got is not None
         tokens, lens, p, k = got
-        assert 1 <= len(tokens) <= min(chunk, n - len(out)) and sum(lens) == len(tokens)
+        cap = min(chunk, n - len(out))
+        assert 1 <= len(tokens) <= cap, f"{len(tokens)} tokens from a call capped at {cap}"
+        # A pass emits its kept guesses and one token of its own: 1 to depth + 1 tokens.
+        assert all(1 <= length <= depth + 1 for length in lens), (lens, depth)
+        assert sum(lens) == len(tokens)
         history += [root] + tokens[:-1]
         root = tokens[-1]
         out += tokens
