@@ -1432,54 +1432,26 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
   return {chain, logr, path, emitted, passes, draft_seconds, oracle_seconds};
 }
 
-// Plain decoding's steps without returning to Python: up to ``n`` oracle passes over one token each,
-// cache row 0 holding every position before it (the token at position p is written to slot p),
-// each choosing the next token with the sampling rule (choose_rows) and feeding it back, stopping
-// after ``stop_token`` (-1: none). The first pass is over ``root`` at position ``start``. Each pass
-// and choice is the one a Python step makes (forward_ids over one token, then choose_rows), so the
-// tokens and cache entries are bit-identical; what it spares is the interpreter between them: on the
-// demo oracle ~20-27 us a token, most of it cache misses after each pass has streamed the weights.
-// The entries stay pending: the caller commits as many as tokens came back. Returns (tokens, seconds
-// in the forward passes).
-std::tuple<std::vector<int64_t>, double> plain_steps(NativeGPT2& model, torch::Tensor k, torch::Tensor v, int64_t start,
-                                                     int64_t root, int64_t n, double temperature, int64_t top_k,
-                                                     double top_p, uint64_t seed, int64_t stop_token) {
-  SE_CHECK(n >= 1, "n must be >= 1, got ", n);
-  SE_CHECK(start >= 0, "start must be >= 0, got ", start);
-  using clock = std::chrono::steady_clock;
-  std::vector<int64_t> out;
-  out.reserve(static_cast<size_t>(n));
-  std::vector<int64_t> token{root}, position{start}, next{start + 1};
-  double forward_seconds = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const auto t0 = clock::now();
-    // Slot start + i, as a committed row of length start + i with one new entry (bounds checked there).
-    const torch::Tensor logits = model.forward_ids(token, position, k, v, start + i, 1, c10::nullopt, false);
-    forward_seconds += std::chrono::duration<double>(clock::now() - t0).count();
-    const int64_t chosen = choose_rows(logits, seed, next, temperature, top_k, top_p)[0];
-    out.push_back(chosen);
-    if (chosen == stop_token) break;
-    token[0] = chosen;
-    position[0] = next[0]++;
-  }
-  return {out, forward_seconds};
-}
-
-// Plain decoding's steps with prompt lookup, the cheapest stage of all (no draft model): before
-// each pass, the tokens that followed the most recent earlier occurrence of the context's last
-// 3 tokens (else 2, ... down to ``min_order``), as ContextLookup.propose does, up to ``depth`` of
-// them, ride along: one pass over the root and that chain, walked with the sampling rule as
-// verify_tree walks a chain (each row's choice at its position's noise; a token is kept while the
-// choice equals it). No proposal: a plain step. A pass over 2-3 rows costs about what one row
-// does where the weights stream from the caches (demo oracle, AVX2 Zen 3: 1.06-1.13x), and the
-// oracle's own text repeats its context, so a kept guess is a token for a fraction of a pass.
-// Every token is the oracle's choice at its position, so the tokens and the cache entries are
-// plain_steps' (tested bit for bit): the kept entries of a pass are a prefix of its chain, in
-// place, and the rejected ones are overwritten by the next pass before any pass can see them.
-// ``history`` is every token before ``root`` (the lookup's context); the token at position p is
-// written to slot p, from slot ``start``. At most ``n`` tokens, stopping after ``stop_token``
-// (-1: none); the kept entries stay pending, one per token returned, as plain_steps leaves them.
-// Returns (tokens, forward seconds, tokens emitted by each pass, tokens proposed, proposed tokens kept).
+// Plain decoding's steps with prompt lookup, the cheapest stage of all (no draft model), without
+// returning to Python: up to ``n`` oracle passes over cache row 0, which holds every position
+// before each pass (the token at position p is written to slot p, from slot ``start``; the first
+// pass is over ``root``). Before each pass, the tokens that followed the most recent earlier
+// occurrence of the context's last 3 tokens (else 2, ... down to ``min_order``), as
+// ContextLookup.propose finds them, up to ``depth`` of them, ride along: one pass over the root
+// and that chain, walked with the sampling rule by verify_tree (each row's choice at its
+// position's noise; a token is kept while the choice equals it). With no proposal, or at depth
+// 0 (plain_steps), the pass is over the root alone: forward_ids over one token and the rule's
+// choice, as a Python step makes them. What this spares is the interpreter between passes: on
+// the demo oracle ~20-27 us a token, most of it cache misses after each pass has streamed the
+// weights. A pass over 2-3 rows costs about what one row does where the weights stream from the
+// caches (demo oracle, AVX2 Zen 3: 1.06-1.13x), and the oracle's own text repeats its context,
+// so a kept guess is a token for a fraction of a pass. Every token is the oracle's choice at its
+// position, so the tokens and the cache entries are those of plain steps (tested bit for bit):
+// the kept entries of a pass are a prefix of its chain, in place, and the rejected ones are
+// overwritten by the next pass before any pass can see them. ``history`` is every token before
+// ``root`` (the lookup's context). At most ``n`` tokens, stopping after ``stop_token`` (-1:
+// none); the kept entries stay pending, one per token returned. Returns (tokens, forward
+// seconds, tokens emitted by each pass, tokens proposed, proposed tokens kept).
 std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t> lookup_steps(
     NativeGPT2& model, torch::Tensor k, torch::Tensor v, int64_t start, const std::vector<int64_t>& history, int64_t root,
     int64_t n, double temperature, int64_t top_k, double top_p, uint64_t seed, int64_t stop_token, int64_t depth,
@@ -1495,8 +1467,10 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   for (const int64_t t : history)
     SE_CHECK(t >= 0 && t < kIdBound, "history must hold token ids in [0, 2^21), got ", t);
   using clock = std::chrono::steady_clock;
-  std::vector<int64_t> seq(history);
-  seq.reserve(history.size() + static_cast<size_t>(n) + 1);
+  const bool lookup = depth > 0;
+  std::vector<int64_t> seq;
+  if (lookup) seq.reserve(history.size() + static_cast<size_t>(n) + 1);
+  if (lookup) seq.assign(history.begin(), history.end());
   seq.push_back(root);
   // after[m - 1][the m tokens ending at i - 1] = i, the index that followed their latest occurrence.
   std::unordered_map<uint64_t, int64_t> after[kOrder];
@@ -1508,9 +1482,11 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   auto index_to = [&](int64_t i) {  // every m-gram ending at i - 1 is followed by index i
     for (int m = min_order; m <= kOrder && m <= i; ++m) after[m - 1][key(i, m)] = i;
   };
-  for (int m = min_order; m <= kOrder; ++m) after[m - 1].reserve(seq.size() + static_cast<size_t>(n));
-  for (int64_t i = 1; i < static_cast<int64_t>(seq.size()); ++i) index_to(i);
-  std::vector<int64_t> out, chain, positions, next, lengths;
+  if (lookup) {
+    for (int m = min_order; m <= kOrder; ++m) after[m - 1].reserve(seq.size() + static_cast<size_t>(n));
+    for (int64_t i = 1; i < static_cast<int64_t>(seq.size()); ++i) index_to(i);
+  }
+  std::vector<int64_t> out, chain, positions, parents, path, emitted, lengths;
   out.reserve(static_cast<size_t>(n));
   int64_t slot = start, proposed = 0, kept = 0;
   double forward_seconds = 0.0;
@@ -1527,29 +1503,44 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
     }
     const int64_t rows = static_cast<int64_t>(chain.size());
     positions.resize(static_cast<size_t>(rows));
-    for (int64_t i = 0; i < rows; ++i) positions[static_cast<size_t>(i)] = slot + i;
+    parents.resize(static_cast<size_t>(rows));
+    for (int64_t i = 0; i < rows; ++i) {
+      positions[static_cast<size_t>(i)] = slot + i;
+      parents[static_cast<size_t>(i)] = i - 1;
+    }
     const auto t0 = clock::now();
     // Slots slot.. as a committed row of length ``slot`` with ``rows`` new entries (bounds checked there).
     const torch::Tensor logits = model.forward_ids(chain, positions, k, v, slot, rows, c10::nullopt, false);
     forward_seconds += std::chrono::duration<double>(clock::now() - t0).count();
     proposed += rows - 1;
-    lengths.push_back(0);
-    for (int64_t i = 0; i < rows; ++i) {
-      next.assign(1, slot + i + 1);
-      const int64_t y = choose_rows(logits.narrow(0, i, 1), seed, next, temperature, top_k, top_p)[0];
+    std::tie(path, emitted) = verify_tree(logits, chain, parents, seed, positions, temperature, top_k, top_p);
+    // The root and path.size() - 1 kept tokens are in place; the rest is overwritten by the next pass.
+    const auto stop = std::find(emitted.begin(), emitted.end(), stop_token);
+    const bool stopped = stop != emitted.end();
+    if (stopped) emitted.erase(stop + 1, emitted.end());
+    lengths.push_back(static_cast<int64_t>(emitted.size()));
+    kept += static_cast<int64_t>(emitted.size()) - 1;
+    for (const int64_t y : emitted) {
       out.push_back(y);
-      ++lengths.back();
+      if (!lookup) continue;
       seq.push_back(y);
       index_to(static_cast<int64_t>(seq.size()) - 1);
-      if (y == stop_token) return {out, forward_seconds, lengths, proposed, kept};
-      if (i + 1 >= rows || y != chain[static_cast<size_t>(i + 1)]) {
-        slot += i + 1;  // the root and the i kept tokens are in place; the rest is overwritten
-        break;
-      }
-      ++kept;
     }
+    if (!lookup) seq.back() = emitted.back();
+    if (stopped) break;
+    slot += static_cast<int64_t>(emitted.size());
   }
   return {out, forward_seconds, lengths, proposed, kept};
+}
+
+// Plain decoding's steps in one native call: lookup_steps with nothing riding along. Returns
+// (tokens, seconds in the forward passes).
+std::tuple<std::vector<int64_t>, double> plain_steps(NativeGPT2& model, torch::Tensor k, torch::Tensor v, int64_t start,
+                                                     int64_t root, int64_t n, double temperature, int64_t top_k,
+                                                     double top_p, uint64_t seed, int64_t stop_token) {
+  auto [tokens, seconds, lengths, proposed, kept] =
+      lookup_steps(model, k, v, start, {}, root, n, temperature, top_k, top_p, seed, stop_token, 0, 3);
+  return {std::move(tokens), seconds};
 }
 
 // The native linear kernel alone, for the microbenchmark of what bounds an N-node pass

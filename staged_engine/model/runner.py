@@ -125,36 +125,23 @@ class ModelRunner:
         return logits[0]
 
     def steps(self, root: int, n: int, rule: tuple, stop_token: int | None = None) -> list[int] | None:
-        """Up to ``n`` plain decoding steps in one native call (``_cpu.plain_steps``), committed:
-        a pass over ``root`` at the next position, the sampling ``rule`` (temperature, top_k,
-        top_p, seed) choosing the next token, fed back, until ``n`` tokens or ``stop_token``. The
-        tokens and cache entries of ``step`` and ``sampling.choose`` in a Python loop, without the
-        interpreter between passes. None off the native path (then the caller loops over ``step``)."""
-        native = self._native  # set only where the extension is built
-        if native is None or self.cache.pending:
-            return None
-        start = self.length
-        self.cache.append(n)  # checks the room for n entries
-        t, top_k, top_p, seed = rule
-        try:
-            tokens, seconds = _cpu.plain_steps(native, self.cache.k, self.cache.v, start, root, n, t, top_k, top_p,
-                                                  seed or 0, -1 if stop_token is None else stop_token)
-        except BaseException:
-            self.cache.discard()
-            raise
-        self.count(len(tokens), seconds, len(tokens))
-        self.cache.commit(list(range(len(tokens))))
-        return tokens
+        """Up to ``n`` plain decoding steps in one native call, committed: a pass over ``root`` at
+        the next position, the sampling ``rule`` (temperature, top_k, top_p, seed) choosing the
+        next token, fed back, until ``n`` tokens or ``stop_token``. The tokens and cache entries
+        of ``step`` and ``sampling.choose`` in a Python loop, without the interpreter between
+        passes. None off the native path (then the caller loops over ``step``)."""
+        got = self.lookup_steps(root, n, rule, [], 0, 1, stop_token)
+        return None if got is None else got[0]
 
     def lookup_steps(self, root: int, n: int, rule: tuple, history: list[int], depth: int, min_order: int,
                      stop_token: int | None = None) -> tuple[list[int], list[int], int, int] | None:
         """``steps`` with prompt lookup riding along (``_cpu.lookup_steps``): each pass also verifies
         up to ``depth`` tokens that followed the latest earlier occurrence of the context's last
         3 (down to ``min_order``) tokens in ``history`` (every token before ``root``) and what
-        the call emits. The same tokens and cache entries as ``steps``, committed. Returns
-        (tokens, tokens emitted by each pass, tokens proposed, proposed tokens kept), or None off
-        the native path."""
-        native = self._native
+        the call emits; depth 0 is plain steps. The same tokens and cache entries as ``steps``,
+        committed. Returns (tokens, tokens emitted by each pass, tokens proposed, proposed tokens
+        kept), or None off the native path."""
+        native = self._native  # set only where the extension is built
         if native is None or self.cache.pending:
             return None
         start = self.length

@@ -130,6 +130,31 @@ def test_lookup_steps_stop_after_the_stop_token(pair):
     assert runner.length == len(PROMPT) - 1 + cut and runner.cache.pending == 0
 
 
+def test_lookup_steps_stop_at_a_kept_guess_inside_a_pass(pair):
+    """A stop token that is a kept guess with more kept after it in the same pass: the tokens end
+    there, and the pass's later entries are not committed. The lookup reads only ``history``, not
+    the cache, so a history whose last tokens occurred before, followed by the oracle's own next
+    tokens, makes the first pass propose (and keep) them all."""
+    model = load_model(pair[0])
+    sampling = SamplingConfig.make(SamplingParams(), model.config.vocab_size)
+    with torch.inference_mode():
+        free, _ = _reference(model, sampling, PROMPT, 12)
+        at = next((j for j in range(7) if free.index(free[j]) == j), None)
+        assert at is not None, f"no token of {free[:7]} is the first of its kind"
+        want, _ = _reference(model, sampling, PROMPT, 12, stop_token=free[at])
+        history = PROMPT[-3:] + free[:8] + PROMPT[-3:-1]
+        runner = ModelRunner(model, TorchBackend(native=True))
+        runner.reset()
+        runner.prefill(PROMPT[:-1])
+        got = runner.lookup_steps(PROMPT[-1], 12, sampling.rule, history, 8, 3, stop_token=free[at])
+    assert got is not None
+    tokens, lengths, proposed, kept = got
+    assert want == free[:at + 1]
+    assert tokens == want
+    assert lengths == [at + 1] and proposed == 8 and kept == at
+    assert runner.length == len(PROMPT) - 1 + at + 1 and runner.cache.pending == 0
+
+
 def test_lookup_steps_refuse_bad_arguments(pair):
     model = load_model(pair[0])
     runner = ModelRunner(model, TorchBackend(native=True))
