@@ -154,7 +154,7 @@ class ModelRunner:
         except BaseException:
             self.cache.discard()
             raise
-        self.count(len(lengths), seconds, len(tokens))
+        self.count(len(lengths), seconds, len(lengths) + proposed)  # a pass's rows: its root and guesses
         self.cache.commit(list(range(len(tokens))))
         return tokens, lengths, proposed, kept
 

@@ -152,6 +152,7 @@ def test_lookup_steps_stop_at_a_kept_guess_inside_a_pass(pair):
     assert want == free[:at + 1]
     assert tokens == want
     assert lengths == [at + 1] and proposed == 8 and kept == at
+    assert runner.calls == 1 + 1 and runner.nodes == len(PROMPT) - 1 + 9  # the prefill, then 9 rows
     assert runner.length == len(PROMPT) - 1 + at + 1 and runner.cache.pending == 0
 
 
