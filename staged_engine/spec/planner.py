@@ -227,7 +227,9 @@ class PlannerMemory:
         self.acceptance = Acceptance()
         self.cost = RoundCost()
         self.rate = _Ratio(0.0, 0.0, 0.95)  # tokens / seconds over recent rounds
-        self.stints = Stints(len(arms), steps_arms=tuple(i for i, a in enumerate(arms) if a.steps))
+        # Arms that never run the draft (prompt lookup's chains, plain steps with lookup) have no
+        # draft to go cold, so their blocks are on the clock from their first round.
+        self.stints = Stints(len(arms), draftless=tuple(i for i, a in enumerate(arms) if a.lookup or a.steps))
 
 
 def load_memory(path: str, arms: tuple[Arm, ...]) -> "PlannerMemory":
@@ -287,15 +289,16 @@ class Stints:
     yield that says it has fallen behind plain steps cuts its stint short. A drafting arm's first
     look and a check of a challenger scored more than ``far`` behind run a quarter block
     (``_block_rounds``). The first round of a drafting block after plain steps plays off the
-    block's clock: it pays for the switch (a cold draft), not for the arm's rate.
+    block's clock: it pays for the switch (a cold draft), not for the arm's rate; the arms that
+    run no draft (``draftless``) are on the clock from their first round.
     """
 
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
                  max_stint: int = 32, bonus: float = 0.1, tie: float = 0.05, drop: float = 0.1,
-                 far: float = 0.2, steps_arms: tuple[int, ...] = ()) -> None:
+                 far: float = 0.2, draftless: tuple[int, ...] = ()) -> None:
         if arms < 2:
             raise ValueError(f"arms must be at least 2 (plain and one drafting arm), got {arms}")
-        self.steps_arms = frozenset(steps_arms)  # arms of plain steps with lookup: no cold draft
+        self.draftless = frozenset(draftless)  # arms that never run the draft: none goes cold
         self.n_arms, self.block, self.first_stint, self.max_stint, self.bonus = arms, block, first_stint, max_stint, bonus
         self.far = far  # a challenger scored this far behind the favoured arm is checked in a short block
         self.tie = tie
@@ -361,7 +364,7 @@ class Stints:
         # having left the caches while only the oracle ran. That is a cost of switching, paid
         # once a stint, not of the arm's rate; in a first look of 4 rounds it took 15% off the
         # arm's rate (4 / 4.7). So the round plays but stays off the block's clock.
-        self.warming = self.arm != PLAIN and self.arm not in self.steps_arms and self.prev_arm in (PLAIN, -1)
+        self.warming = self.arm != PLAIN and self.arm not in self.draftless and self.prev_arm in (PLAIN, -1)
         self.warm_rounds = 0
 
     def _block_rounds(self, arm: int) -> int:

@@ -14,7 +14,8 @@ import torch
 
 from staged_engine import Engine
 from staged_engine.spec.cost import NODES, CostProfile, load_or_measure, profile_key, profile_path
-from staged_engine.spec.planner import Acceptance, RoundPlanner, Stints, arms_for, load_memory, save_memory
+from staged_engine.spec.planner import (LOOKUP_DEPTH, LOOKUP_STEPS, Acceptance, PlannerMemory, RoundPlanner, Stints,
+                                        arms_for, load_memory, save_memory)
 from staged_engine.spec.tree import Tree
 
 VOCAB = 997
@@ -170,13 +171,13 @@ def test_a_drafting_blocks_cold_first_round_is_off_its_clock(cold):
     assert sum(arms[1000:]) / 5000 > 0.9
 
 
-def test_a_block_of_plain_steps_with_lookup_is_on_its_clock_from_its_first_round():
-    """An arm of plain steps with prompt lookup (``steps_arms``) has no draft to go cold: its
-    first round after plain steps is timed like the rest. Every round of it is 1.15x plain's,
-    and it is scored at exactly that; the same arm left off ``steps_arms`` plays its first
-    rounds off the clock."""
-    for steps_arms, warm in [((1,), False), ((), True)]:
-        st = Stints(arms=2, steps_arms=steps_arms)
+def test_a_draftless_block_is_on_its_clock_from_its_first_round():
+    """An arm that runs no draft (``draftless``: prompt lookup) has none to go cold: its first
+    round after plain steps is timed like the rest. Every round of it is 1.15x plain's, and it
+    is scored at exactly that; the same arm left off ``draftless`` plays its first rounds off
+    the clock."""
+    for draftless, warm in [((1,), False), ((), True)]:
+        st = Stints(arms=2, draftless=draftless)
         seen = []
         for _ in range(6000):
             if st.arm == 1 and st.rounds_left == st.block_rounds:
@@ -184,6 +185,14 @@ def test_a_block_of_plain_steps_with_lookup_is_on_its_clock_from_its_first_round
             st.record(2 if st.arm else 1, (2 / 1.15) if st.arm else 1.0)
         assert seen and any(w == warm for w in seen) and (warm or not any(seen))
         assert st.score[1] == pytest.approx(math.log(1.15), abs=1e-3)
+
+
+def test_the_draftless_arms_are_prompt_lookups():
+    """Prompt lookup's chains and plain steps with lookup run no draft; every other drafting
+    arm (planned, fixed and lookup-or-draft chains) does."""
+    arms = arms_for(True, True)
+    names = {arms[i].name for i in PlannerMemory(arms).stints.draftless}
+    assert names == {f"lookup_{LOOKUP_DEPTH}", *(f"lookup_steps_{d}" for d, _ in LOOKUP_STEPS)}
 
 
 def _rounds_to_follow(far: float) -> tuple[int, int]:
