@@ -1076,6 +1076,8 @@ class NativeGPT2 {
     }
   }
 
+  int64_t vocab_size() const { return V_; }
+
   int64_t weight_bytes() const {
     size_t total = head_.bytes();
     for (const auto& b : blocks_) total += b.qkv.bytes() + b.proj.bytes() + b.fc.bytes() + b.mproj.bytes();
@@ -1461,31 +1463,27 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   SE_CHECK(start >= 0, "start must be >= 0, got ", start);
   SE_CHECK(depth >= 0 && depth <= 8, "depth must be in [0, 8], got ", depth);
   SE_CHECK(min_order >= 1 && min_order <= kOrder, "min_order must be in [1, ", kOrder, "], got ", min_order);
-  // Token ids are keys of 21 bits each (3 to a 64-bit key): far above any GPT-2 vocabulary.
-  constexpr int64_t kIdBound = int64_t(1) << 21;
-  SE_CHECK(root >= 0 && root < kIdBound, "root must be a token id in [0, 2^21), got ", root);
+  const int64_t vocab = model.vocab_size();
+  SE_CHECK(root >= 0 && root < vocab, "root must be a token id in [0, ", vocab, "), got ", root);
   for (const int64_t t : history)
-    SE_CHECK(t >= 0 && t < kIdBound, "history must hold token ids in [0, 2^21), got ", t);
+    SE_CHECK(t >= 0 && t < vocab, "history must hold token ids in [0, ", vocab, "), got ", t);
   using clock = std::chrono::steady_clock;
   const bool lookup = depth > 0;
   std::vector<int64_t> seq;
   if (lookup) seq.reserve(history.size() + static_cast<size_t>(n) + 1);
   if (lookup) seq.assign(history.begin(), history.end());
   seq.push_back(root);
-  // after[m - 1][the m tokens ending at i - 1] = i, the index that followed their latest occurrence.
-  std::unordered_map<uint64_t, int64_t> after[kOrder];
-  auto key = [&](int64_t end, int m) {  // the m tokens seq[end - m .. end)
-    uint64_t h = 0;
-    for (int64_t i = end - m; i < end; ++i) h = (h << 21) | static_cast<uint64_t>(seq[static_cast<size_t>(i)]);
-    return h;
+  // The index that followed the latest earlier occurrence of seq's last m tokens (-1: none), by
+  // a scan back from the end: a few thousand compares over a context window of contiguous ids,
+  // where a hash index over the history cost more to build each call than the scans of a block.
+  auto follower = [&](int m) -> int64_t {
+    const int64_t len = static_cast<int64_t>(seq.size());
+    const int64_t* tail = seq.data() + len - m;
+    for (int64_t i = len - 1; i >= m; --i)  // the occurrence seq[i - m, i), followed by index i
+      if (seq[static_cast<size_t>(i - 1)] == tail[m - 1] && std::equal(tail, tail + m - 1, seq.data() + i - m))
+        return i;
+    return -1;
   };
-  auto index_to = [&](int64_t i) {  // every m-gram ending at i - 1 is followed by index i
-    for (int m = min_order; m <= kOrder && m <= i; ++m) after[m - 1][key(i, m)] = i;
-  };
-  if (lookup) {
-    for (int m = min_order; m <= kOrder; ++m) after[m - 1].reserve(seq.size() + static_cast<size_t>(n));
-    for (int64_t i = 1; i < static_cast<int64_t>(seq.size()); ++i) index_to(i);
-  }
   std::vector<int64_t> out, chain, positions, parents, path, emitted, lengths;
   out.reserve(static_cast<size_t>(n));
   int64_t slot = start, proposed = 0, kept = 0;
@@ -1495,9 +1493,9 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
     const int64_t room = std::min<int64_t>(depth, n - static_cast<int64_t>(out.size()) - 1);
     chain.assign(1, seq.back());
     for (int m = std::min<int64_t>(kOrder, len); room > 0 && m >= min_order; --m) {
-      const auto it = after[m - 1].find(key(len, m));
-      if (it == after[m - 1].end()) continue;
-      for (int64_t j = it->second; j < len && static_cast<int64_t>(chain.size()) <= room; ++j)
+      const int64_t from = follower(m);
+      if (from < 0) continue;
+      for (int64_t j = from; j < len && static_cast<int64_t>(chain.size()) <= room; ++j)
         chain.push_back(seq[static_cast<size_t>(j)]);
       break;
     }
@@ -1520,13 +1518,11 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
     if (stopped) emitted.erase(stop + 1, emitted.end());
     lengths.push_back(static_cast<int64_t>(emitted.size()));
     kept += static_cast<int64_t>(emitted.size()) - 1;
-    for (const int64_t y : emitted) {
-      out.push_back(y);
-      if (!lookup) continue;
-      seq.push_back(y);
-      index_to(static_cast<int64_t>(seq.size()) - 1);
-    }
-    if (!lookup) seq.back() = emitted.back();
+    out.insert(out.end(), emitted.begin(), emitted.end());
+    if (lookup)
+      seq.insert(seq.end(), emitted.begin(), emitted.end());
+    else
+      seq.back() = emitted.back();
     if (stopped) break;
     slot += static_cast<int64_t>(emitted.size());
   }

@@ -168,7 +168,8 @@ def test_lookup_steps_refuse_bad_arguments(pair):
                             ({"depth": 9}, "depth must be in"), ({"min_order": 0}, "min_order must be in"),
                             ({"min_order": 4}, "min_order must be in"), ({"history": [1, -2, 3]}, "history must hold"),
                             ({"root": -1}, "root must be a token id"),
-                            ({"root": model.config.vocab_size}, "outside the vocabulary"),
+                            ({"root": model.config.vocab_size}, "root must be a token id"),
+                            ({"history": [1, model.config.vocab_size]}, "history must hold"),
                             ({"start": runner.max_len - 1}, "exceed the cache"), ({"top_p": 0.0}, "top_p must be in")]:
         with pytest.raises(ValueError, match=message):
             _cpu.lookup_steps(**{**args, **change})

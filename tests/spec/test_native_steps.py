@@ -90,7 +90,7 @@ def test_native_steps_refuse_bad_arguments(pair):
                 temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_token=-1)
     with pytest.raises(ValueError, match="n must be >= 1"):
         _cpu.plain_steps(**{**args, "n": 0})
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="root must be a token id"):
         _cpu.plain_steps(**{**args, "root": model.config.vocab_size})
     with pytest.raises(ValueError, match="exceed the cache"):
         _cpu.plain_steps(**{**args, "start": runner.max_len - 1})
