@@ -157,14 +157,17 @@ class RowCache:
         logits = self.forward(view, ids, positions, None)[:, 0]  # (n, V)
         return conditionals(self.runner.backend, logits, params)
 
-    def reselect(self, sources: list[int], paths: list[list[int]], pending: int) -> None:
+    def reselect(self, sources: list[int], paths: list[list[int]], pending: int,
+                 agree: list[int] | None = None) -> None:
         """Row i <- row sources[i]: its committed slots, then its pending entries ``paths[i]``
         (slot offsets past the committed length, paths[i][0] == 0, all the same length m)
         committed in order. ``pending``: entries written past the committed length. The
-        committed length grows by m."""
-        changed = [i for i, s in enumerate(sources) if s != i]
-        low = 0 if any(i >= self.filled for i in changed) else self.shared
-        self.length = self.runner.cache.reselect(sources, paths, self.length, pending, low,
+        committed length grows by m. ``agree[i]``: slots past the shared prefix in which row i
+        already holds what row sources[i] holds (the tokens their sequences share: a slot's K/V
+        depends on its prefix alone, bit for bit), which stay; None: none."""
+        lows = [0 if i >= self.filled else self.shared + (agree[i] if agree is not None and i < len(agree) else 0)
+                for i in range(len(sources))]
+        self.length = self.runner.cache.reselect(sources, paths, self.length, pending, lows,
                                                  self.runner.backend.commit)
         self.filled = max(self.filled, len(sources))
 
@@ -277,7 +280,11 @@ class RowForestLM:
             steps = len(seq) - self.n_in
             paths.append([entries[seq[self.n_in - 1:self.n_in + j]] for j in range(steps)])
             sources.append(row)
-        self.rows.reselect(sources, paths, self.view.pending)
+        # Row i holds input i's committed tokens, all but its root (pending with the rest): two
+        # distinct inputs of one length share at most those.
+        inputs = list(self.row_of)
+        agree = [shared_prefix(inputs[i], inputs[s]) if s != i and i < len(inputs) else 0 for i, s in enumerate(sources)]
+        self.rows.reselect(sources, paths, self.view.pending, agree)
 
 
 class TreeLM:
@@ -401,6 +408,7 @@ class RowBeamLM:
         self.rows = rows
         self.params = params
         self.view: KVCache | None = None
+        self.seqs: list[Prefix] = []  # the sequence each row holds, its last token pending
 
     def start(self, prompt: list[int]) -> None:
         """Prefill all of ``prompt`` but its last token, which starts the first beam."""
@@ -408,16 +416,34 @@ class RowBeamLM:
 
     def probs(self, prefixes: Sequence[Prefix]) -> torch.Tensor:
         self.view = self.rows.view(len(prefixes))
+        self.seqs = list(prefixes)
         return self.rows.roots(self.view, [s[-1] for s in prefixes], self.params)
 
     def advance(self, beams: Beams, parents: Sequence[int] | None) -> None:
         if parents is None:
             raise ValueError("the rows layout of beam sampling needs each beam's parent slot")
-        self.rows.reselect(list(parents), [[0]] * len(parents), self.view.pending)
+        seqs = self.seqs
+        agree = [shared_prefix(seqs[i], seqs[p]) if p != i and i < len(seqs) else 0 for i, p in enumerate(parents)]
+        self.rows.reselect(list(parents), [[0]] * len(parents), self.view.pending, agree)
 
 
 def _generator(params: SamplingParams) -> TorchRandom:
     return TorchRandom(torch.Generator().manual_seed(params.seed if params.seed is not None else 0))
+
+
+def shared_prefix(a: Prefix, b: Prefix) -> int:
+    """Length of the longest common prefix of two sequences, by bisection over slice equality
+    (each comparison one C-level pass): beams share most of their tokens."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _common_prefix(seqs: list[Prefix], known: int = 0) -> int:

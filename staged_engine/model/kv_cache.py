@@ -16,7 +16,7 @@ take it as ``move``; without one they use the torch copy below.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -131,11 +131,12 @@ class KVCache:
         self.pending = 0
 
     def reselect(self, sources: list[int], paths: list[list[int]], length: int, pending: int,
-                 low: int = 0, move: Move | None = None) -> int:
+                 low: int | Sequence[int] = 0, move: Move | None = None) -> int:
         """Row i <- row sources[i], all rows holding ``length`` committed slots and ``pending``
         entries after them: slots [low, length + pending) are copied (slots below ``low`` are
-        equal in every row involved), then row i keeps its pending entries ``paths[i]`` (all
-        the same length m, paths[i][0] == 0) in order. Returns the new committed length, length + m."""
+        equal in every row involved; a list gives each destination row its own), then row i
+        keeps its pending entries ``paths[i]`` (all the same length m, paths[i][0] == 0) in
+        order. Returns the new committed length, length + m."""
         if len(sources) > self.batch or any(not 0 <= s < self.batch for s in sources):
             raise ValueError(f"reselect sources must be rows of the {self.batch}-row cache, got {sources}")
         if len(paths) != len(sources) or len({len(p) for p in paths}) != 1:
@@ -143,27 +144,30 @@ class KVCache:
         span = length + pending
         if span > self.max_len:
             raise ValueError(f"reselect span {span} exceeds max_len {self.max_len}")
+        lows = [low] * len(sources) if isinstance(low, int) else list(low)
+        if len(lows) != len(sources) or any(not 0 <= lo <= span for lo in lows):
+            raise ValueError(f"reselect low must be one slot in [0, {span}] or one per source row, got {low}")
         # Row i <- row sources[i] as a parallel move: a row is overwritten only once no copy
         # still to come reads it (a chain 1 <- 0, 2 <- 1, 3 <- 2 runs from its end), so each
         # changed row costs one copy; only a cycle (a swap) saves one row aside first. Per-row
         # copies beat one advanced-index gather/scatter here.
-        todo = {i: (self.k[:, s, :, low:span], self.v[:, s, :, low:span]) for i, s in enumerate(sources) if s != i}
-        reads = {i: s for i, s in enumerate(sources) if s != i}  # the row each pending copy reads
+        todo = {i: (self.k[:, s, :, lows[i]:span], self.v[:, s, :, lows[i]:span])
+                for i, s in enumerate(sources) if s != i and lows[i] < span}
+        reads = {i: sources[i] for i in todo}  # the row each pending copy reads
         while todo:
             read = set(reads.values())
             free = [i for i in todo if i not in read]
-            if not free:  # every pending destination is read by another: a cycle
+            if not free:  # every pending destination is read by another: a cycle, each read once
                 i = next(iter(todo))
-                saved = (self.k[:, i, :, low:span].clone(), self.v[:, i, :, low:span].clone())
-                for j, s in list(reads.items()):
-                    if s == i:
-                        todo[j], reads[j] = saved, -1
+                j = next(j for j, s in reads.items() if s == i)
+                todo[j] = (self.k[:, i, :, lows[j]:span].clone(), self.v[:, i, :, lows[j]:span].clone())
+                reads[j] = -1
                 continue
             for i in free:
                 k_src, v_src = todo.pop(i)
                 del reads[i]
-                self.k[:, i, :, low:span].copy_(k_src)
-                self.v[:, i, :, low:span].copy_(v_src)
+                self.k[:, i, :, lows[i]:span].copy_(k_src)
+                self.v[:, i, :, lows[i]:span].copy_(v_src)
         for row, path in enumerate(paths):
             if path and (path[0] != 0 or path[-1] >= pending):
                 raise ValueError(f"reselect path {path} is not within the {pending} pending entries")

@@ -84,6 +84,27 @@ def test_reselect_copies_rows_then_commits_each_path():
         cache.reselect([3], [[0]], length=4, pending=1)
 
 
+@pytest.mark.parametrize("sources,lows", [([1, 0], [3, 1]), ([1, 2, 0], [0, 4, 2]), ([2, 2, 1], [6, 1, 3]),
+                                          ([3, 0, 0, 2], [5, 2, 0, 6]), ([1, 0, 3, 2], [2, 6, 4, 0])])
+def test_reselect_copies_each_row_from_its_own_low(sources, lows):
+    # Each destination row takes its source's slots [lows[i], span) and keeps its own below (a
+    # low of span copies nothing), swaps and cycles included; the reference gathers every row
+    # from an untouched copy.
+    w = len(sources)
+    cache = _cache(batch=4)
+    cache.set_committed(4, 5)
+    k0, v0 = cache.k.clone(), cache.v.clone()
+    assert cache.reselect(sources, [[0]] * w, length=5, pending=1, low=lows) == 6
+    for row, (src, lo) in enumerate(zip(sources, lows)):
+        assert torch.equal(cache.k[:, row, :, lo:6], k0[:, src, :, lo:6]), row
+        assert torch.equal(cache.v[:, row, :, lo:6], v0[:, src, :, lo:6]), row
+        assert torch.equal(cache.k[:, row, :, :lo], k0[:, row, :, :lo]), row  # below its low: untouched
+        assert torch.equal(cache.v[:, row, :, :lo], v0[:, row, :, :lo]), row
+    for bad in ([0] * (w - 1), [0] * (w - 1) + [7], [-1] + [0] * (w - 1)):  # too few, past span, negative
+        with pytest.raises(ValueError, match="reselect low"):
+            cache.reselect(sources, [[0]] * w, length=5, pending=1, low=bad)
+
+
 @pytest.mark.parametrize("sources", [[1, 0], [1, 2, 0], [0, 0, 0], [2, 2, 1], [3, 0, 0, 2], [1, 1, 3, 3]])
 def test_reselect_rows_that_are_sources_and_destinations(sources):
     # Swaps and cycles read a row after another destination wrote it unless it was saved first;
