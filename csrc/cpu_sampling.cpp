@@ -715,6 +715,69 @@ void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, con
   }
 }
 
+// Beam reselection's row copies as one parallel move: row i <- row sources[i] over slots
+// [lows[i], span) in every layer and head of k and v (L, B, H, S, D) float32, for each i with
+// sources[i] != i. A row is overwritten only once no copy still to come reads it; in a cycle (a
+// swap), where every row left is read by exactly one other, one row's slots are saved aside first.
+// As KVCache.reselect's Python copies, without a torch operator and two strided views per row: at
+// 8 beams those took ~0.3 ms a step, a tenth of the demo oracle's pass over the 8 rows.
+void kv_copy_rows(torch::Tensor& k, torch::Tensor& v, const std::vector<int64_t>& sources,
+                  const std::vector<int64_t>& lows, int64_t span) {
+  for (const torch::Tensor* t : {&k, &v}) {
+    SE_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 5,
+             "k and v must be contiguous float32 CPU tensors (L, B, H, S, D)");
+  }
+  SE_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
+  const int64_t L = k.size(0), B = k.size(1), H = k.size(2), S = k.size(3), D = k.size(4);
+  const int64_t W = static_cast<int64_t>(sources.size());
+  SE_CHECK(W <= B, "sources must name at most ", B, " rows, got ", W);
+  SE_CHECK(static_cast<int64_t>(lows.size()) == W, "lows must hold one slot per source (", W, "), got ", lows.size());
+  SE_CHECK(span >= 0 && span <= S, "span must be in [0, ", S, "], got ", span);
+  for (int64_t i = 0; i < W; ++i) {
+    SE_CHECK(sources[i] >= 0 && sources[i] < B, "sources[", i, "] must be a row in [0, ", B, "), got ", sources[i]);
+    SE_CHECK(lows[i] >= 0 && lows[i] <= span, "lows[", i, "] must be in [0, ", span, "], got ", lows[i]);
+  }
+  float* bases[2] = {k.data_ptr<float>(), v.data_ptr<float>()};
+  auto at = [&](float* base, int64_t l, int64_t row, int64_t h) { return base + ((l * B + row) * H + h) * S * D; };
+  std::vector<int64_t> todo, readers(B, 0);  // destinations left; copies left that read each row
+  for (int64_t i = 0; i < W; ++i)
+    if (sources[i] != i && lows[i] < span) {
+      todo.push_back(i);
+      ++readers[sources[i]];
+    }
+  std::vector<float> saved;  // a cycle's row, (2, L, H, span - low, D)
+  int64_t saved_for = -1;  // the destination that reads ``saved`` instead of its source
+  while (!todo.empty()) {
+    auto it = std::find_if(todo.begin(), todo.end(), [&](int64_t i) { return readers[i] == 0; });
+    if (it == todo.end()) {  // a cycle: save todo[0]'s slots for the one copy that reads them
+      const int64_t row = todo.front();
+      const auto reader = std::find_if(todo.begin(), todo.end(), [&](int64_t j) { return sources[j] == row; });
+      SE_CHECK(reader != todo.end() && saved_for < 0, "kv_copy_rows: no free destination and no cycle");
+      const int64_t j = *reader, n = (span - lows[j]) * D;
+      saved.resize(static_cast<size_t>(2 * L * H * n));
+      for (int t = 0; t < 2; ++t)
+        for (int64_t l = 0; l < L; ++l)
+          for (int64_t h = 0; h < H; ++h)
+            std::copy_n(at(bases[t], l, row, h) + lows[j] * D, n, saved.data() + ((t * L + l) * H + h) * n);
+      saved_for = j;
+      --readers[row];
+      continue;
+    }
+    const int64_t i = *it, src = sources[i], n = (span - lows[i]) * D;
+    todo.erase(it);
+    for (int t = 0; t < 2; ++t)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t h = 0; h < H; ++h) {
+          const float* from = i == saved_for ? saved.data() + ((t * L + l) * H + h) * n : at(bases[t], l, src, h) + lows[i] * D;
+          std::copy_n(from, n, at(bases[t], l, i, h) + lows[i] * D);
+        }
+    if (i == saved_for)
+      saved_for = -1;
+    else
+      --readers[src];
+  }
+}
+
 namespace {
 
 // Top-p over a whole row without ranking it: the kept set is every token whose mass ranked ahead
@@ -973,4 +1036,7 @@ void register_sampling(pybind11::module& m) {
         py::arg("probs"), py::arg("u"));
   m.def("kv_move", &kv_move, "commit a tree path in one cache row", py::arg("k"), py::arg("v"), py::arg("row"),
         py::arg("start"), py::arg("path"));
+  m.def("kv_copy_rows", &kv_copy_rows, "beam reselection's row copies: row i <- row sources[i] over slots "
+        "[lows[i], span), as one parallel move", py::arg("k"), py::arg("v"), py::arg("sources"), py::arg("lows"),
+        py::arg("span"));
 }

@@ -167,8 +167,9 @@ class RowCache:
         depends on its prefix alone, bit for bit), which stay; None: none."""
         lows = [0 if i >= self.filled else self.shared + (agree[i] if agree is not None and i < len(agree) else 0)
                 for i in range(len(sources))]
-        self.length = self.runner.cache.reselect(sources, paths, self.length, pending, lows,
-                                                 self.runner.backend.commit)
+        backend = self.runner.backend
+        self.length = self.runner.cache.reselect(sources, paths, self.length, pending, lows, backend.commit,
+                                                 backend.copy_rows)
         self.filled = max(self.filled, len(sources))
 
 

@@ -58,6 +58,12 @@ class Backend:
     def commit(self, k: torch.Tensor, v: torch.Tensor, row: int, start: int, path: list[int]) -> None:
         raise NotImplementedError
 
+    def copy_rows(self, k: torch.Tensor, v: torch.Tensor, sources: list[int], lows: list[int], span: int) -> bool:
+        """Beam reselection's row copies in one call (row i <- row sources[i] over slots
+        [lows[i], span), as a parallel move), if this backend has a kernel for them; False: the
+        caller copies (``KVCache.reselect``)."""
+        return False
+
     def refresh(self, model) -> None:
         """Called once per generation: pick up weights modified in place since the last one."""
 
@@ -263,12 +269,21 @@ class TorchBackend(Backend):
             mask[row, 0, :, s:s + m] = visible if visible.dim() == 2 else visible[row]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
+    @staticmethod
+    def _native_cache(k: torch.Tensor, v: torch.Tensor) -> bool:
+        return k.device.type == "cpu" and k.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+
     def commit(self, k, v, row, start, path):
-        if self.native and k.device.type == "cpu" and k.dtype == torch.float32 and k.is_contiguous() \
-                and v.is_contiguous():
+        if self.native and self._native_cache(k, v):
             _cpu.kv_move(k, v, row, start, path)
         else:
             move_entries(k, v, row, start, path)
+
+    def copy_rows(self, k, v, sources, lows, span):
+        if not (self.native and self._native_cache(k, v)):
+            return False
+        _cpu.kv_copy_rows(k, v, sources, lows, span)
+        return True
 
 
 class TritonBackend(Backend):

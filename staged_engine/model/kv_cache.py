@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 Move = Callable[[torch.Tensor, torch.Tensor, int, int, list[int]], None]
+# Row copies of a reselection (k, v, sources, lows, span) -> whether it made them (Backend.copy_rows).
+CopyRows = Callable[[torch.Tensor, torch.Tensor, list[int], list[int], int], bool]
 
 
 def move_entries(k: torch.Tensor, v: torch.Tensor, row: int, start: int, path: list[int]) -> None:
@@ -131,12 +133,13 @@ class KVCache:
         self.pending = 0
 
     def reselect(self, sources: list[int], paths: list[list[int]], length: int, pending: int,
-                 low: int | Sequence[int] = 0, move: Move | None = None) -> int:
+                 low: int | Sequence[int] = 0, move: Move | None = None, copy_rows: CopyRows | None = None) -> int:
         """Row i <- row sources[i], all rows holding ``length`` committed slots and ``pending``
         entries after them: slots [low, length + pending) are copied (slots below ``low`` are
         equal in every row involved; a list gives each destination row its own), then row i
         keeps its pending entries ``paths[i]`` (all the same length m, paths[i][0] == 0) in
-        order. Returns the new committed length, length + m."""
+        order. ``copy_rows`` (a backend's kernel) may make the copies in one call. Returns the
+        new committed length, length + m."""
         if len(sources) > self.batch or any(not 0 <= s < self.batch for s in sources):
             raise ValueError(f"reselect sources must be rows of the {self.batch}-row cache, got {sources}")
         if len(paths) != len(sources) or len({len(p) for p in paths}) != 1:
@@ -151,8 +154,9 @@ class KVCache:
         # still to come reads it (a chain 1 <- 0, 2 <- 1, 3 <- 2 runs from its end), so each
         # changed row costs one copy; only a cycle (a swap) saves one row aside first. Per-row
         # copies beat one advanced-index gather/scatter here.
-        todo = {i: (self.k[:, s, :, lows[i]:span], self.v[:, s, :, lows[i]:span])
-                for i, s in enumerate(sources) if s != i and lows[i] < span}
+        done = copy_rows is not None and copy_rows(self.k, self.v, list(sources), lows, span)
+        todo = {} if done else {i: (self.k[:, s, :, lows[i]:span], self.v[:, s, :, lows[i]:span])
+                                for i, s in enumerate(sources) if s != i and lows[i] < span}
         reads = {i: sources[i] for i in todo}  # the row each pending copy reads
         while todo:
             read = set(reads.values())

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from staged_engine.model.backend import TorchBackend, _cpu
 from staged_engine.model.kv_cache import KVCache, move_entries
 
 
-def _cache(batch: int = 2, max_len: int = 16) -> KVCache:
-    cache = KVCache(n_layer=2, batch=batch, n_head=3, max_len=max_len, head_dim=4, dtype=torch.float64, device="cpu")
+def _cache(batch: int = 2, max_len: int = 16, dtype: torch.dtype = torch.float64) -> KVCache:
+    cache = KVCache(n_layer=2, batch=batch, n_head=3, max_len=max_len, head_dim=4, dtype=dtype, device="cpu")
     g = torch.Generator().manual_seed(0)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g, dtype=torch.float64))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g, dtype=torch.float64))
@@ -86,15 +87,24 @@ def test_reselect_copies_rows_then_commits_each_path():
 
 @pytest.mark.parametrize("sources,lows", [([1, 0], [3, 1]), ([1, 2, 0], [0, 4, 2]), ([2, 2, 1], [6, 1, 3]),
                                           ([3, 0, 0, 2], [5, 2, 0, 6]), ([1, 0, 3, 2], [2, 6, 4, 0])])
-def test_reselect_copies_each_row_from_its_own_low(sources, lows):
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(_cpu is None, reason="no _cpu"))])
+def test_reselect_copies_each_row_from_its_own_low(sources, lows, native):
     # Each destination row takes its source's slots [lows[i], span) and keeps its own below (a
-    # low of span copies nothing), swaps and cycles included; the reference gathers every row
-    # from an untouched copy.
+    # low of span copies nothing), swaps and cycles included, in Python and in the native
+    # kernel (float32 caches); the reference gathers every row from an untouched copy.
     w = len(sources)
-    cache = _cache(batch=4)
+    cache = _cache(batch=4, dtype=torch.float32 if native else torch.float64)
     cache.set_committed(4, 5)
     k0, v0 = cache.k.clone(), cache.v.clone()
-    assert cache.reselect(sources, [[0]] * w, length=5, pending=1, low=lows) == 6
+    calls = []
+
+    def copy_rows(*args):
+        calls.append(TorchBackend(native=True).copy_rows(*args))
+        return calls[-1]
+
+    assert cache.reselect(sources, [[0]] * w, length=5, pending=1, low=lows,
+                          copy_rows=copy_rows if native else None) == 6
+    assert calls == ([True] if native else [])
     for row, (src, lo) in enumerate(zip(sources, lows)):
         assert torch.equal(cache.k[:, row, :, lo:6], k0[:, src, :, lo:6]), row
         assert torch.equal(cache.v[:, row, :, lo:6], v0[:, src, :, lo:6]), row
@@ -150,3 +160,19 @@ def test_select_rows_reorders():
     k0 = cache.k.clone()
     cache.select_rows([1, 1])
     assert torch.equal(cache.k[:, 0, :, :3], k0[:, 1, :, :3]) and torch.equal(cache.k[:, 1, :, :3], k0[:, 1, :, :3])
+
+
+@pytest.mark.skipif(_cpu is None, reason="needs the staged_engine._cpu extension")
+def test_native_row_copies_refuse_bad_arguments():
+    cache = _cache(batch=3, dtype=torch.float32)
+    k, v = cache.k, cache.v
+    _cpu.kv_copy_rows(k, v, [1, 0], [0, 2], 6)  # valid
+    for args, message in [(([3, 0], [0, 0], 6), "sources\\[0\\] must be a row"),
+                          (([1, 0], [0], 6), "lows must hold one slot per source"),
+                          (([1, 0], [0, 7], 6), "lows\\[1\\] must be in"),
+                          (([1, 0], [0, 0], 17), "span must be in"),
+                          (([0, 1, 2, 0], [0] * 4, 6), "at most 3 rows")]:
+        with pytest.raises(ValueError, match=message):
+            _cpu.kv_copy_rows(k, v, *args)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        _cpu.kv_copy_rows(k.double(), v.double(), [1, 0], [0, 0], 6)
