@@ -49,8 +49,7 @@ def _lookup(model, sampling, prompt, n, depth, order, stop_token=None, chunk=9):
         got = runner.lookup_steps(root, min(chunk, n - len(out)), sampling.rule, history, depth, order, stop_token)
         assert got is not None
         tokens, lens, p, k = got
-        cap = min(chunk, n - len(out))
-        assert 1 <= len(tokens) <= cap, f"{len(tokens)} tokens from a call capped at {cap}"
+        assert tokens, "a call returned no token"  # (the runner refuses more than it reserved)
         # A pass emits its kept guesses and one token of its own: 1 to depth + 1 tokens.
         assert all(1 <= length <= depth + 1 for length in lens), (lens, depth)
         assert sum(lens) == len(tokens)
@@ -154,6 +153,24 @@ def test_lookup_steps_stop_at_a_kept_guess_inside_a_pass(pair):
     assert lengths == [at + 1] and proposed == 8 and kept == at
     assert runner.calls == 1 + 1 and runner.nodes == len(PROMPT) - 1 + 9  # the prefill, then 9 rows
     assert runner.length == len(PROMPT) - 1 + at + 1 and runner.cache.pending == 0
+
+
+def test_lookup_steps_return_at_most_n_tokens_when_more_guesses_would_be_kept(pair):
+    """The raw native call (no runner to refuse an overlong commit) with room in the cache for
+    more: a history that makes the first pass propose 8 of the oracle's own next tokens, and n
+    = 3. Exactly the first 3 come back, from one pass over the root and 2 guesses."""
+    model = load_model(pair[0])
+    sampling = SamplingConfig.make(SamplingParams(), model.config.vocab_size)
+    with torch.inference_mode():
+        free, _ = _reference(model, sampling, PROMPT, 12)
+        runner = ModelRunner(model, TorchBackend(native=True))
+        runner.reset()
+        runner.prefill(PROMPT[:-1])
+        tokens, _, lengths, proposed, kept = _cpu.lookup_steps(
+            runner.native, runner.cache.k, runner.cache.v, len(PROMPT) - 1, PROMPT[-3:] + free[:8] + PROMPT[-3:-1],
+            PROMPT[-1], 3, 0.0, 0, 1.0, 0, -1, 8, 3)
+    assert tokens == free[:3]
+    assert lengths == [3] and proposed == 2 and kept == 2
 
 
 def test_lookup_steps_refuse_bad_arguments(pair):
