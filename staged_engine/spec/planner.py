@@ -227,9 +227,9 @@ class PlannerMemory:
         self.acceptance = Acceptance()
         self.cost = RoundCost()
         self.rate = _Ratio(0.0, 0.0, 0.95)  # tokens / seconds over recent rounds
-        # Arms that never run the draft (prompt lookup's chains, plain steps with lookup) have no
-        # draft to go cold, so their blocks are on the clock from their first round.
-        self.stints = Stints(len(arms), draftless=tuple(i for i, a in enumerate(arms) if a.lookup or a.steps))
+        # Arms that never run the draft (``Arm.lookup``: prompt lookup's chains and plain steps with
+        # lookup) have no draft to go cold, so their blocks are on the clock from their first round.
+        self.stints = Stints(len(arms), draftless=tuple(i for i, a in enumerate(arms) if a.lookup))
 
 
 def load_memory(path: str, arms: tuple[Arm, ...]) -> "PlannerMemory":
