@@ -191,12 +191,21 @@ class RowForestLM:
         self.entries: list[dict[Prefix, int]] = []  # per row: key -> pending slot offset
         self.dist: list[dict[Prefix, torch.Tensor]] = []  # per row: key -> (V,) float64
         self.view: KVCache | None = None
+        # The round's roots' distributions, (rows, V), when a pass evaluated them alone
+        # (``_evaluate_roots``): ``probs`` of roots alone then indexes it, with no stack.
+        self.root_dist: torch.Tensor | None = None
+        # Per cache row, the sequence whose committed slots (all its tokens but the last) the row
+        # holds; rows past the round's inputs keep what they held when they last took part (a
+        # pass writes only the rows in view), None: nothing of this generation. A row that comes
+        # back then copies only the slots past what it shares with its source.
+        self.held: list[Prefix | None] = []
         self.nodes = 0  # distinct nodes evaluated over the generation
         self.batch_tokens = 0  # rows x nodes per pass, padding included
 
     def start(self, prompt: list[int]) -> None:
         """Prefill all of ``prompt`` but its last token, which starts the first round's beam."""
         self.rows.start(prompt[:-1])
+        self.held = [None] * self.rows.runner.cache.batch
         self.begin([tuple(prompt[-1:])])
 
     def keep(self, outputs: list[Prefix]) -> None:
@@ -213,6 +222,8 @@ class RowForestLM:
         self.row_of = {s: i for i, s in enumerate(inputs)}
         self.entries = [{} for _ in inputs]
         self.dist = [{} for _ in inputs]
+        self.root_dist = None
+        self.held[:len(inputs)] = inputs
         self.view = self.rows.view(len(inputs))
 
     def probs(self, prefixes) -> torch.Tensor:
@@ -226,6 +237,9 @@ class RowForestLM:
             where.append((row, key))
         if any(new):
             self._evaluate(new)
+        if self.root_dist is not None and all(len(key) == 1 for _, key in where):
+            rows = [row for row, _ in where]
+            return self.root_dist if rows == list(range(len(self.entries))) else self.root_dist[rows]
         return torch.stack([self.dist[row][key] for row, key in where])
 
     def _evaluate(self, new: list[list[Prefix]]) -> None:
@@ -268,6 +282,7 @@ class RowForestLM:
         for r, key in enumerate(roots):
             self.entries[r][key] = 0
             self.dist[r][key] = dist[r]
+        self.root_dist = dist
         self.nodes += len(roots)
         self.batch_tokens += len(roots)
 
@@ -281,10 +296,11 @@ class RowForestLM:
             steps = len(seq) - self.n_in
             paths.append([entries[seq[self.n_in - 1:self.n_in + j]] for j in range(steps)])
             sources.append(row)
-        # Row i holds input i's committed tokens, all but its root (pending with the rest): two
-        # distinct inputs of one length share at most those.
-        inputs = list(self.row_of)
-        agree = [shared_prefix(inputs[i], inputs[s]) if s != i and i < len(inputs) else 0 for i, s in enumerate(sources)]
+        # Row i holds the committed tokens of held[i], all but its last (for an input, its root,
+        # pending with the rest); the source row those of input s.
+        inputs, held = list(self.row_of), self.held
+        agree = [0 if s == i or held[i] is None else min(shared_prefix(held[i], inputs[s]), len(held[i]) - 1)
+                 for i, s in enumerate(sources)]
         self.rows.reselect(sources, paths, self.view.pending, agree)
 
 
