@@ -45,3 +45,30 @@ def test_staged_engine_native_0_keeps_the_beam_core_on_torch(monkeypatch):
     assert called == []
     core.beam_joint(torch.zeros(2, dtype=torch.float32), probs.float())  # not float64: torch, whatever the switch
     assert called == []
+
+
+def test_extend_on_the_host_matches_its_torch_code(monkeypatch):
+    """extend's numpy scores (CPU float64) against its torch code, taken with the host path
+    switched off: the same sequences, scores within rounding of one log, and a draft's zero mass
+    at a candidate giving log q = -inf on both."""
+    g = torch.Generator().manual_seed(5)
+    for width, vocab, n in ((1, 50, 3), (3, 8192, 3), (8, 1000, 8), (4, 97, 16)):
+        p = torch.softmax(torch.randn(width, vocab, generator=g, dtype=torch.float64) * 3, -1)
+        q = torch.softmax(torch.randn(width, vocab, generator=g, dtype=torch.float64) * 3, -1)
+        cands = torch.randint(0, width * vocab, (n,), generator=g).tolist()
+        q.view(-1)[cands[0]] = 0.0  # the draft gives the first candidate no mass
+        beams = core.Beams([tuple(range(i, i + 5)) for i in range(width)],
+                           torch.randn(width, generator=g, dtype=torch.float64),
+                           torch.randn(width, generator=g, dtype=torch.float64))
+        for q_cond in (p, q):
+            host = core.extend(beams, p, q_cond, cands)
+            monkeypatch.setattr(core, "_on_host", lambda *t: False)
+            ref = core.extend(beams, p, q_cond, cands)
+            monkeypatch.undo()
+            assert host.seqs == ref.seqs == [beams.seqs[c // vocab] + (c % vocab,) for c in cands]
+            assert host.log_p.dtype == host.log_q.dtype == torch.float64
+            assert torch.allclose(host.log_p, ref.log_p, rtol=1e-14, atol=0)
+            assert torch.equal(torch.isinf(host.log_q), torch.isinf(ref.log_q))
+            finite = torch.isfinite(ref.log_q)
+            assert torch.allclose(host.log_q[finite], ref.log_q[finite], rtol=1e-14, atol=0)
+        assert bool(torch.isinf(core.extend(beams, p, q, cands).log_q[0]))
