@@ -41,6 +41,9 @@
 #include <type_traits>
 
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #include <unordered_map>
 #include <vector>
 
@@ -65,7 +68,23 @@ constexpr int kPanels = 2;  // 16 output features; 6 x 2 + 2 + 1 = 15 of the 16 
 constexpr int kMaxRows = 6;
 constexpr int64_t kPrefetchBytes = 4096;  // software prefetch distance in a weight stream
 
+// Whether buffers of at least kHugeBytes ask the kernel for transparent huge pages (Linux,
+// madvise; a hint the kernel may decline). A weight stream larger than the TLBs' reach in 4 KiB
+// pages (Zen 3's 2,048 second-level entries cover 8 MiB) pays a page walk every 4 KiB it reads;
+// in 2 MiB pages the demo oracle's 17 MB are 9 pages. Switchable for side-by-side comparisons:
+// it applies to buffers allocated after the call (a model packs its weights when first used).
+constexpr size_t kHugeBytes = size_t(2) << 20;
+std::atomic<bool> g_huge_pages{true};
+
+bool huge_pages() { return g_huge_pages.load(); }
+bool set_huge_pages(bool on) {
+  g_huge_pages.store(on);
+  return on;
+}
+
 // Allocates on 64-byte boundaries: a vector load from a weight stream never splits a cache line.
+// Buffers of kHugeBytes or more start on a 2 MiB boundary, their size rounded up to whole 2 MiB
+// pages, and are advised as huge pages (before anything touches them, so faults take them).
 template <class T>
 struct CacheLineAllocator {
   using value_type = T;
@@ -73,8 +92,14 @@ struct CacheLineAllocator {
   template <class U>
   CacheLineAllocator(const CacheLineAllocator<U>&) {}
   T* allocate(size_t n) {
-    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    const size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+    const bool huge = bytes >= kHugeBytes && g_huge_pages.load();
+    const size_t size = huge ? (bytes + kHugeBytes - 1) / kHugeBytes * kHugeBytes : bytes;
+    void* p = std::aligned_alloc(huge ? kHugeBytes : 64, size);
     if (!p) throw std::bad_alloc();
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (huge) madvise(p, size, MADV_HUGEPAGE);  // a hint: without it, 4 KiB pages as before
+#endif
     return static_cast<T*>(p);
   }
   void deallocate(T* p, size_t) { std::free(p); }
@@ -1641,6 +1666,12 @@ void register_native_forward(py::module& m) {
         "seconds of each of `repeats` reads of an `nbytes` float32 buffer split over the threads: the read "
         "bandwidth a weight stream of that size reaches here", py::arg("nbytes"), py::arg("repeats"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("huge_pages", &huge_pages,
+        "whether native buffers of 2 MiB or more (packed weights, the read probe's buffer) are advised as "
+        "transparent huge pages");
+  m.def("set_huge_pages", &set_huge_pages,
+        "advise buffers allocated from now on as huge pages (True, the default) or not; returns the setting",
+        py::arg("on"));
   m.def("narrow_rows", &narrow_rows,
         "the most rows a float16 register block computes in 256-bit halves (0-2; probed once per process): "
         "the same bits as 512-bit blocks, faster where 512-bit widening is slow");

@@ -443,6 +443,34 @@ def test_the_linear_kernel_alone_is_timed_as_the_decoder_packs_it(out, inp):
     assert not half and nbytes == panels * lanes * inp * 4
 
 
+def test_huge_page_buffers_hold_the_same_model(tmp_path):
+    """A model of 2 MiB and more of packed weights, packed with huge pages advised and without
+    (``set_huge_pages``): the same logits bit for bit, both within rounding of stock torch; the
+    switch reports what it was set to and defaults to on."""
+    from tests.ckpt_util import make_hf_checkpoint
+
+    assert _cpu.huge_pages()
+    path = make_hf_checkpoint(str(tmp_path / "wide"), seed=3, vocab_size=3001, n_positions=64, n_embd=256,
+                              n_layer=2, n_head=4)  # 1.6M + 0.8M float32 weights: ~9.5 MB packed
+    ids, pos = [5, 9, 2, 7, 3000], [0, 1, 2, 3, 4]
+    out = {}
+    try:
+        for on in (False, True):
+            assert _cpu.set_huge_pages(on) is on and _cpu.huge_pages() is on
+            model = load_model(path)
+            backend = TorchBackend(native=True)
+            with torch.inference_mode():
+                out[on] = ModelRunner(model, backend).forward_nodes(ids, pos, None)
+    finally:
+        _cpu.set_huge_pages(True)
+    assert torch.equal(out[True], out[False])
+    with torch.inference_mode():
+        ref = ModelRunner(model, TorchBackend(native=False)).forward_nodes(ids, pos, None)
+    assert ((out[True] - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    seconds = _cpu.read_seconds(5 << 20, 2)  # a 5 MiB probe buffer: three huge pages
+    assert len(seconds) == 2 and all(0 < s < 1 for s in seconds)
+
+
 def test_the_read_probe_reports_each_read():
     seconds = _cpu.read_seconds(1 << 20, 4)
     assert len(seconds) == 4 and all(0 < s < 1 for s in seconds)
