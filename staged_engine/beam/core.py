@@ -104,7 +104,12 @@ def _native(*tensors: Tensor) -> bool:
     (``native_enabled``, the backend's switch), CPU, float64. After a forward pass has streamed
     the weights through the caches, each torch operator over a few beams' rows costs 30-50 us of
     dispatch, more than its arithmetic."""
-    return native_enabled() and all(t.device.type == "cpu" and t.dtype == torch.float64 for t in tensors)
+    return native_enabled() and _on_host(*tensors)
+
+
+def _on_host(*tensors: Tensor) -> bool:
+    """CPU float64 tensors: numpy reads them in place, the extension's beam kernels take them."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float64 for t in tensors)
 
 
 def as_random(rng: Rng) -> RandomSource:
@@ -379,11 +384,6 @@ def extend(beams: Beams, p_cond: Tensor, q_cond: Tensor, candidates: Sequence[in
     log_pc = torch.log(p_cond[parent, token])
     log_qc = log_pc if q_cond is p_cond else torch.log(q_cond[parent, token])  # beam sampling: q is p
     return Beams(seqs, beams.log_p[parent] + log_pc, beams.log_q[parent] + log_qc)
-
-
-def _on_host(*tensors: Tensor) -> bool:
-    """CPU float64 tensors: numpy reads them in place."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float64 for t in tensors)
 
 
 def _extend_scores_host(beams: Beams, p_cond: Tensor, q_cond: Tensor,
