@@ -1408,6 +1408,14 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
            "starts and positions must be >= 0");
   using clock = std::chrono::steady_clock;
   const auto secs = [](clock::time_point a, clock::time_point b) { return std::chrono::duration<double>(b - a).count(); };
+  // The draft's positions may start later in the text than the oracle's (a draft that keeps a
+  // window of the context: ModelDrafter.window): its root sits at d_root in its own positions and
+  // at root_position in the text. The noise of every draft choice is keyed by the text's
+  // position, as the oracle's is, so the draft follows the oracle's draws either way.
+  const int64_t d_root = d_pos0 + static_cast<int64_t>(unseen.size()) - 1;
+  SE_CHECK(d_root <= root_position, "the draft's root position (", d_root, ") must not be past the oracle's (",
+           root_position, ")");
+  const int64_t offset = root_position - d_root;
   std::vector<int64_t> chain{unseen.back()}, tokens(unseen), positions(unseen.size());
   std::vector<double> logr, value;
   for (size_t i = 0; i < unseen.size(); ++i) positions[i] = d_pos0 + static_cast<int64_t>(i);
@@ -1420,7 +1428,7 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
     ++passes;
     const std::vector<torch::Tensor> best =
         d_temperature == 0 ? top_children(logits, 1)
-                           : perturbed_children(logits, d_seed, {positions.back() + 1}, d_temperature, d_top_k, 1);
+                           : perturbed_children(logits, d_seed, {positions.back() + 1 + offset}, d_temperature, d_top_k, 1);
     draft_seconds += secs(t0, clock::now());
     if (best[0].size(1) == 0) break;
     const int64_t token = best[0].data_ptr<int64_t>()[0];
@@ -1434,7 +1442,7 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
       if (!(value.back() > go[value.size() - 1])) break;
     }
     tokens.assign(1, token);
-    positions.assign(1, root_position + static_cast<int64_t>(chain.size()) - 1);
+    positions.assign(1, d_root + static_cast<int64_t>(chain.size()) - 1);
   }
   if (planned)
     while (chain.size() > 1 && !(value[chain.size() - 2] > keep[chain.size() - 2])) {

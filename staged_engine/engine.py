@@ -322,10 +322,11 @@ class Engine:
         plain measured with one shared memory). A new one starts from what an earlier process
         kept on disk for these models on this machine (``spec.planner.load_memory``)."""
         band = temperature_band(config.params.temperature)
-        key = (config.strategy, config.spec.shape, config.spec.ngram_widths, config.params.greedy, band)
+        spec = config.spec
+        key = (config.strategy, spec.shape, spec.ngram_widths, spec.draft_window, config.params.greedy, band)
         return self._memory(key, lambda: {
-            "schema": 5, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
-            "shape": vars(config.spec.shape), "ngram_widths": list(config.spec.ngram_widths),
+            "schema": 6, "oracle": costs[0].key, "draft": costs[1].key, "strategy": config.strategy,
+            "shape": vars(spec.shape), "ngram_widths": list(spec.ngram_widths), "draft_window": spec.draft_window,
             "greedy": config.params.greedy, "temperature_band": band},
             arms_for(config.strategy == "staged", config.params.greedy))
 
@@ -402,7 +403,7 @@ class Engine:
             if self.draft2 is not None:
                 inner = ModelDrafter(self._runner(state, "draft2", self.draft2), sampling,
                                      TreeShape(budget=8, max_depth=4, children=2, expand=2), inner)
-        return ModelDrafter(self._runner(state, "draft", self.draft), sampling, spec.shape, inner)
+        return ModelDrafter(self._runner(state, "draft", self.draft), sampling, spec.shape, inner, spec.draft_window)
 
     def _ngram_model(self):
         if self.ngram is None:

@@ -36,6 +36,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--expand", type=int, help="nodes the draft evaluates per pass")
     s.add_argument("--chain-length", type=int, help="draft tokens per round for --strategy chain")
     s.add_argument("--ngram-widths", type=str, help="n-gram mini-tree widths, e.g. 12,7,4,1,1,1")
+    s.add_argument("--draft-window", type=int, metavar="N",
+                   help="the most context the draft catches up on at once: a longer backlog restarts its "
+                        "cache from the last N tokens (default 64; outputs are unchanged)")
     d = p.add_argument_group("beam / DSBD knobs (defaults: the DSBD paper's)")
     d.add_argument("--gamma", type=int, help="DSBD: draft layers per round (default 4)")
     d.add_argument("--draft-width", type=int, help="DSBD: draft beams W_S (default 8)")

@@ -149,11 +149,19 @@ class ModelDrafter:
     """A draft model that builds trees best-first; optionally sped up by an inner drafter."""
 
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig,
-                 shape: TreeShape, inner: "NGramDrafter | ModelDrafter | None" = None) -> None:
+                 shape: TreeShape, inner: "NGramDrafter | ModelDrafter | None" = None,
+                 window: int | None = None) -> None:
+        if window is not None and (not is_int(window) or window < 1):
+            raise ValueError(f"draft_window must be an integer >= 1 or None, got {window!r}")
         self.runner = runner
         self.sampling = sampling
         self.shape = shape
         self.inner = inner
+        # A catch-up over more than ``window`` tokens restarts the draft's cache from the last
+        # ``window`` of them (``catch_up``): the draft's position 0 is then the text's position
+        # ``offset``. None: the draft always sees the whole text.
+        self.window = window
+        self.offset = 0
         self.use_inner = True  # whether the inner stage proposes this round (it always learns)
         self.unseen: list[int] = []  # accepted tokens the draft has not processed; last = root
         self.history: list[int] = []  # every accepted token, root included
@@ -165,22 +173,33 @@ class ModelDrafter:
         first drafted round needs it (``catch_up``), so a generation that never drafts (the
         planner found plain steps faster) never pays for the draft's prefill."""
         self.runner.reset()
-        if lazy:
-            self.unseen = list(prompt)
-        else:
-            self.runner.prefill(prompt[:-1])
-            self.unseen = [prompt[-1]]
+        self.offset = 0
+        self.unseen = list(prompt)
         self.history = list(prompt)
+        if not lazy:
+            self.catch_up()
         self.lookup = None
         if self.inner is not None:
             self.inner.start(prompt)
 
     def catch_up(self) -> None:
-        """Process the accepted tokens this draft has not seen (plain rounds leave them), all but
-        the root, so the next tree starts from a current cache."""
-        if len(self.unseen) > 1:
-            self.runner.prefill(self.unseen[:-1])
-            self.unseen = self.unseen[-1:]
+        """Process the accepted tokens this draft has not seen (the prompt, what plain rounds
+        left), all but the root, so the next tree starts from a current cache.
+
+        With a ``window``, a backlog longer than it is not processed whole: the draft's cache
+        starts afresh from the backlog's last ``window`` tokens, at positions 0.. of its own (the
+        text as a draft trained on crops of code sees it), and ``offset`` maps them to the
+        text's. The cost of a catch-up is then bounded whatever the prompt or the plain steps
+        left; what the draft proposes is all it changes, never what is emitted."""
+        backlog = len(self.unseen) - 1
+        if backlog <= 0:
+            return
+        if self.window is not None and backlog > self.window:
+            self.runner.rollback(0)
+            self.offset = len(self.history) - 1 - self.window  # the root's text position minus its own
+            self.unseen = self.unseen[-self.window - 1:]
+        self.runner.prefill(self.unseen[:-1])
+        self.unseen = self.unseen[-1:]
 
     @property
     def calls(self) -> int:
@@ -208,6 +227,8 @@ class ModelDrafter:
         """
         k = min(self.shape.children, logits.shape[-1])
         sampling = self.sampling
+        if self.offset:  # the noise is keyed by the text's positions, the oracle's
+            positions = [p + self.offset for p in positions]
         if not sampling.greedy:
             native = self.runner.backend.perturbed_children(logits, positions, sampling.draft_rule, k)
             if native is not None:
@@ -234,6 +255,7 @@ class ModelDrafter:
         runs and the ``budget`` best-scored nodes are kept."""
         if self._chain_only():
             return self._build_chain(root_position, budget, max_depth, planner)
+        root_position -= self.offset  # the draft's own positions (``catch_up``)
         runner = self.runner
         tree = Tree(self.unseen[-1])
         logscore = [0.0]  # log of the cumulative draft probability
@@ -326,6 +348,7 @@ class ModelDrafter:
         unseen = self.unseen
         root = unseen[-1]
         base = runner.length
+        root_position -= self.offset  # the draft's own positions (``catch_up``)
         max_depth = self.chain_depth(max_depth, budget)
         if max_depth <= 0:
             return DraftRound(Tree(root), [0], [-1])

@@ -110,3 +110,70 @@ def test_draft_children_at_t_above_0_are_the_best_perturbed_scores_among_its_64_
             for ids, lr in got:
                 assert ids[r] == want_ids
                 assert torch.allclose(torch.tensor(lr[r], dtype=torch.float64), torch.tensor(want_lr, dtype=torch.float64), atol=1e-4)
+
+
+def test_a_windowed_draft_sees_the_text_s_tail_at_its_own_positions_and_draws_the_text_s_noise(pair):
+    """A catch-up longer than ``window`` restarts the draft's cache from the text's last
+    ``window`` tokens before the root, at positions 0.. of its own, while every draft choice
+    still draws the noise of the text's position (the oracle's): the root's 4 children (the tree
+    builder) and a chain of 2 (the chain builder) equal what HF transformers finds run on that
+    tail alone (float64 perturbed scores for T > 0), native and torch."""
+    from transformers import GPT2LMHeadModel
+
+    from staged_engine.sampling import DRAFT_CANDIDATES, gumbel_noise, vocab_salt
+
+    _, draft_dir = pair
+    model = load_model(draft_dir)
+    hf = GPT2LMHeadModel.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    v = model.config.vocab_size
+    g = torch.Generator().manual_seed(21)
+    prompt = torch.randint(0, v, (14,), generator=g).tolist()
+    window = 5
+
+    def best(params: SamplingParams, path: list[int], k: int) -> list[int]:
+        """The k best children after the tail (positions 0..) and ``path``, by the draft's rule."""
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt[-window - 1:] + path])).logits[0, -1].double()
+        if params.temperature == 0:
+            cand, scores = list(range(v)), logits
+        else:
+            cand = sorted(range(v), key=lambda i: (-float(logits[i]), i))[:min(DRAFT_CANDIDATES, params.top_k or v)]
+            noise = gumbel_noise(params.seed, len(prompt) + len(path), vocab_salt(v)).double()  # the text's position
+            scores = torch.log_softmax(logits[cand] / params.temperature, 0) + noise[torch.tensor(cand)]
+        order = sorted(range(len(cand)), key=lambda j: (-float(scores[j]), cand[j]))
+        return [cand[j] for j in order[:k]]
+
+    for params in (SamplingParams(), SamplingParams(0.9, 0, 1.0, 3), SamplingParams(1.0, 30, 1.0, 8)):
+        sampling = SamplingConfig.make(params, v)
+        first = best(params, [], 4)
+        chain = [first[0], best(params, [first[0]], 1)[0]]
+        for native in (True, False):
+            for children, depth in ((4, 1), (1, 2)):
+                shape = TreeShape(budget=max(children, depth) + 1, max_depth=depth, children=children, expand=1)
+                drafter = ModelDrafter(ModelRunner(model, TorchBackend(native=native)), sampling, shape, window=window)
+                with torch.inference_mode():
+                    if native:  # the prompt left unseen
+                        drafter.start(prompt, lazy=True)
+                    else:  # a backlog plain steps left
+                        drafter.start(prompt[:4])
+                        drafter.skip(prompt[4:])
+                    drafter.catch_up()
+                    assert (drafter.runner.length, drafter.offset) == (window, len(prompt) - 1 - window)
+                    assert drafter.calls == (1 if native else 2)  # the restart keeps the pass counts
+                    tree = drafter.build(len(prompt) - 1, shape.budget, depth).tree
+                if children > 1:
+                    assert [tree.tokens[n] for n in sorted(tree.children[0].values())] == first, (params, native)
+                else:
+                    assert tree.tokens[1:] == chain, (params, native)
+        # The tree builder's later passes too: the root's best child is evaluated at the draft's
+        # own next position, window + 1 (its noise is checked above).
+        drafter = ModelDrafter(ModelRunner(model, TorchBackend()), sampling,
+                               TreeShape(budget=3, max_depth=2, children=2, expand=1), window=window)
+        seen = []
+        forward = drafter.runner.forward_nodes
+        drafter.runner.forward_nodes = lambda t, p, m: seen.append(list(p)) or forward(t, p, m)
+        with torch.inference_mode():
+            drafter.start(prompt, lazy=True)
+            drafter.catch_up()
+            drafter.build(len(prompt) - 1, 3, 2)
+        assert seen == [[window], [window + 1]]

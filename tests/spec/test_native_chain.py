@@ -28,11 +28,11 @@ class PythonRounds(SpeculativeDecoder):
         return None
 
 
-def _make(cls, oracle, draft, params, depth):
+def _make(cls, oracle, draft, params, depth, window=None):
     sampling = SamplingConfig.make(params, oracle.config.vocab_size)
     backend = TorchBackend(native=True)
     shape = TreeShape(budget=depth + 1, max_depth=depth, children=1, expand=1)
-    drafter = ModelDrafter(ModelRunner(draft, backend), sampling, shape)
+    drafter = ModelDrafter(ModelRunner(draft, backend), sampling, shape, window=window)
     return cls(ModelRunner(oracle, backend), sampling, drafter, "chain")
 
 
@@ -51,20 +51,24 @@ def _committed(runner):
     return runner.cache.k[:, :, :, :length].clone(), runner.cache.v[:, :, :, :length].clone(), length
 
 
+@pytest.mark.parametrize("window", [None, 4], ids=["whole", "window"])
 @pytest.mark.parametrize("depth", [1, 3, 6])
 @pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p"])
-def test_native_chain_rounds_equal_the_python_rounds_and_plain_decoding(pair, params, depth):
+def test_native_chain_rounds_equal_the_python_rounds_and_plain_decoding(pair, params, depth, window):
+    """With a ``window`` the draft starts from the prompt's last 4 tokens before the root, at
+    positions of its own (``ModelDrafter.catch_up``): the native round must draw the text's
+    noise there, as the Python round does."""
     oracle, draft = (load_model(d) for d in pair)
     g = torch.Generator().manual_seed(depth)
     prompt = torch.randint(0, oracle.config.vocab_size, (9,), generator=g).tolist()
-    native, python = _make(SpeculativeDecoder, oracle, draft, params, depth), _make(PythonRounds, oracle, draft,
-                                                                                     params, depth)
+    native, python = (_make(cls, oracle, draft, params, depth, window) for cls in (SpeculativeDecoder, PythonRounds))
     with torch.inference_mode():
         got, got_rounds = _run(native, prompt, 40)
         want, want_rounds = _run(python, prompt, 40)
         sampling = SamplingConfig.make(params, oracle.config.vocab_size)
         plain = PlainDecoder(ModelRunner(oracle, TorchBackend(native=True)), sampling)
         ref, _ = _run(plain, prompt, 40)
+    assert native.drafter.offset == python.drafter.offset == (0 if window is None else len(prompt) - 1 - window)
     assert got_rounds == want_rounds  # the same chains accepted, round by round
     assert got[:40] == ref[:40]
     assert native.accepted_lengths == python.accepted_lengths

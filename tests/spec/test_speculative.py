@@ -24,6 +24,11 @@ SHAPES = [
     ("tree", dict(budget=40, max_depth=10, children=3, expand=8)),
     ("staged", {}),
     ("staged", dict(budget=24, max_depth=6, ngram_widths=(5, 3, 1, 1))),
+    # A draft that catches up on at most 3 tokens: its cache restarts from the prompt's tail at
+    # positions of its own (pinned shapes, so that every round drafts).
+    ("chain", dict(chain_length=3, draft_window=3)),
+    ("tree", dict(budget=5, max_depth=2, children=2, expand=1, draft_window=3)),
+    ("staged", dict(budget=12, max_depth=5, draft_window=3)),
 ]
 
 
@@ -56,7 +61,7 @@ def test_greedy_identity(engine, strategy, opts):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 50, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.9)])
-@pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[3], SHAPES[5], SHAPES[6]])
+@pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[3], SHAPES[5], SHAPES[6], *SHAPES[8:]])
 def test_drafter_invariance(engine, strategy, opts, temperature, top_k, top_p):
     for seed, prompt in enumerate(_prompts(4, 2)):
         kw = dict(max_new_tokens=40, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -89,9 +94,11 @@ def _decode(eng: Engine, strategy: str, opts: dict, prompt: list[int], n: int):
     if strategy == "plain":
         decoder = PlainDecoder(oracle, sampling)
     else:
+        opts = dict(opts)
+        window = opts.pop("draft_window", None)
         shape = TreeShape(**opts) if opts else SHAPE_LIMITS[strategy]
         inner = NGramDrafter(eng.ngram, DEFAULT_NGRAM_WIDTHS) if strategy == "staged" else None
-        drafter = ModelDrafter(ModelRunner(eng.draft, eng.backend), sampling, shape, inner)
+        drafter = ModelDrafter(ModelRunner(eng.draft, eng.backend), sampling, shape, inner, window)
         costs = (eng.cost_profile("oracle"), eng.cost_profile("draft"))
         planner = None if opts else (lambda: RoundPlanner(*costs))
         decoder = SpeculativeDecoder(oracle, sampling, drafter, strategy, planner)
@@ -105,7 +112,7 @@ def _decode(eng: Engine, strategy: str, opts: dict, prompt: list[int], n: int):
 
 
 @pytest.mark.skipif(_cpu is None, reason="bit-exactness needs the native CPU kernels")
-@pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[5], SHAPES[6]])
+@pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[5], SHAPES[6], SHAPES[10]])
 def test_cache_bit_identical_to_plain(engine, strategy, opts):
     assert engine.backend.native
     for prompt in _prompts(3, 4):
@@ -144,7 +151,10 @@ def test_speculative_option_errors(engine):
                            (dict(strategy="tree", budget=0), "budget"),
                            (dict(strategy="tree", ngram_widths=(3,)), "staged"),
                            (dict(strategy="staged", ngram_widths=(3, 0)), "ngram_widths"),
-                           (dict(strategy="tree", bogus=1), "bogus")]:
+                           (dict(strategy="tree", bogus=1), "bogus"),
+                           (dict(strategy="chain", draft_window=0), "draft_window"),
+                           (dict(strategy="staged", draft_window=2.5), "draft_window"),
+                           (dict(strategy="plain", draft_window=8), "draft_window")]:
         with pytest.raises(ValueError, match=needle):
             engine.generate([1, 2], max_new_tokens=4, **kwargs)
 
