@@ -186,7 +186,10 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
     model = load_model(path)
     backend = TorchBackend()
     native = backend.native_model(model)
-    nbytes = native.weight_bytes
+    # The bound is the checkpoint's bytes (float16 where its weights are float16 values), however
+    # the engine packed them (float32 where that ran faster here: TorchBackend._pack).
+    nbytes = native.checkpoint_bytes
+    half = nbytes < native.weight_bytes or native.half
     progress(f"{name}: {model.config.num_params / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB of weights a token")
     # ``rounds`` rounds of every measurement, one after the other: a shared VM's speed drifts by
     # tens of percent over minutes, so the figures are medians over rounds and the bounds use the
@@ -201,7 +204,7 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
             import llamacpp
 
             try:
-                r["llama_cpp"] = llamacpp.llama_bench(path, "f16" if native.half else "f32", torch.get_num_threads())
+                r["llama_cpp"] = llamacpp.llama_bench(path, "f16" if half else "f32", torch.get_num_threads())
             except llamacpp.LlamaCppUnavailable as exc:
                 r["llama_cpp"] = {"unavailable": str(exc)}
                 progress(f"  llama.cpp unavailable: {exc}")
@@ -210,7 +213,7 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
     bw, ms = max(r["bw"] for r in raw), med(r["ms"] for r in raw)
     curve = {n: med(r["curve"][n] for r in raw) for n in raw[0]["curve"]}
     bound_bw, bound_dram = nbytes / bw, nbytes / dram_bw
-    flop_per_node = 2 * nbytes / (2 if native.half else 4)
+    flop_per_node = 2 * nbytes / (2 if half else 4)
     nodes = {}
     for n, t in curve.items():
         compute = flop_per_node * n / rate
@@ -222,7 +225,8 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
     # reads that drift as the engine's).
     paired = [nbytes / r["bw"] / r["ms"] for r in raw]
     row = {"path": path, "params": model.config.num_params, "weight_bytes": nbytes,
-           "weights": "float16" if native.half else "float32", "rounds": args.rounds,
+           "weights": "float16" if half else "float32", "packed_as": "float16" if native.half else "float32",
+           "packing": backend.packing.get(id(model)), "rounds": args.rounds,
            "read_bandwidth_at_weight_size_GBps": bw / 1e9, "ms_per_token": ms * 1e3,
            "ms_per_token_rounds": [r["ms"] * 1e3 for r in raw],
            "read_bandwidth_rounds_GBps": [r["bw"] / 1e9 for r in raw],

@@ -115,7 +115,8 @@ enum class Epilogue { kStore, kResidual, kGeluTanh, kGelu, kRelu };
 
 struct PackedLinear {
   int64_t M = 0, K = 0, panels = 0;
-  bool half = false;
+  bool half = false;   // packed as float16 bits
+  bool exact = false;  // every weight is a float16 value (packed as float16 unless told otherwise)
   // Panels come in groups of at most kPanels, group g holding panels [first[g], first[g + 1]),
   // np of them, stored k-major and interleaved, (K, np, kLanes), so a register block streams one
   // sequential run. The groups are cut within the shares of the ``split`` threads a forward pass
@@ -179,7 +180,7 @@ void cut_groups(PackedLinear& p, int split) {
 }
 
 PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::Tensor>& b_in, const char* name,
-                         int split) {
+                         int split, bool allow_half = true) {
   SE_CHECK(w_in.dim() == 2, name, " must be 2-D (out, in), got ", w_in.dim(), " dimensions");
   SE_CHECK(w_in.scalar_type() == torch::kFloat32, name, " must be float32, got ", w_in.scalar_type());
   const torch::Tensor w = w_in.contiguous();
@@ -194,7 +195,8 @@ PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::T
     const float x = src[i];
     exact = std::isfinite(x) && static_cast<float>(c10::Half(x)) == x;
   }
-  p.half = exact;
+  p.exact = exact;
+  p.half = exact = exact && allow_half;
   cut_groups(p, std::max(1, split));
   const int64_t total = p.panels * p.K * kLanes;
   if (exact) p.wh.assign(total, 0); else p.wf.assign(total, 0.f);
@@ -1044,7 +1046,7 @@ class NativeGPT2 {
  public:
   NativeGPT2(const torch::Tensor& wte, const torch::Tensor& wpe, const std::vector<torch::Tensor>& blocks,
              const torch::Tensor& lnf_w, const torch::Tensor& lnf_b, int64_t n_head, double eps,
-             const std::string& activation, int64_t head_rows)
+             const std::string& activation, int64_t head_rows, bool half)
       : n_head_(n_head), eps_(static_cast<float>(eps)) {
     SE_CHECK(wte.dim() == 2 && wte.scalar_type() == torch::kFloat32, "wte must be float32 (vocab, n_embd)");
     SE_CHECK(wpe.dim() == 2 && wpe.scalar_type() == torch::kFloat32 && wpe.size(1) == wte.size(1),
@@ -1069,12 +1071,12 @@ class NativeGPT2 {
       Block b;
       b.ln1w = to_vec(w[0], C_, "ln_1.weight");
       b.ln1b = to_vec(w[1], C_, "ln_1.bias");
-      b.qkv = pack_linear(w[2], w[3], "attn.c_attn", nt);
-      b.proj = pack_linear(w[4], w[5], "attn.c_proj", nt);
+      b.qkv = pack_linear(w[2], w[3], "attn.c_attn", nt, half);
+      b.proj = pack_linear(w[4], w[5], "attn.c_proj", nt, half);
       b.ln2w = to_vec(w[6], C_, "ln_2.weight");
       b.ln2b = to_vec(w[7], C_, "ln_2.bias");
-      b.fc = pack_linear(w[8], w[9], "mlp.c_fc", nt);
-      b.mproj = pack_linear(w[10], w[11], "mlp.c_proj", nt);
+      b.fc = pack_linear(w[8], w[9], "mlp.c_fc", nt, half);
+      b.mproj = pack_linear(w[10], w[11], "mlp.c_proj", nt, half);
       SE_CHECK(b.qkv.M == 3 * C_ && b.qkv.K == C_, "attn.c_attn must be (", 3 * C_, ", ", C_, ")");
       SE_CHECK(b.proj.M == C_ && b.proj.K == C_, "attn.c_proj must be (", C_, ", ", C_, ")");
       SE_CHECK(b.fc.K == C_ && b.mproj.M == C_ && b.mproj.K == b.fc.M, "mlp shapes do not chain");
@@ -1086,7 +1088,7 @@ class NativeGPT2 {
     // A drafting model may score only the first head_rows tokens (``Engine(draft_head_rows=)``):
     // its LM head, most of a small draft's weights, is packed over those rows alone, and the
     // logits of the rest are -inf, so the draft never proposes them.
-    head_ = pack_linear(head_rows_ < V_ ? wte_.narrow(0, 0, head_rows_) : wte_, c10::nullopt, "wte (LM head)", nt);
+    head_ = pack_linear(head_rows_ < V_ ? wte_.narrow(0, 0, head_rows_) : wte_, c10::nullopt, "wte (LM head)", nt, half);
     lay_out(nt);
     narrow_rows();  // the block form's probe, if this process has not run it, outside any pass
     // Weights that outgrow the threads' L2 caches stream from L3 or DRAM on every pass, further
@@ -1109,6 +1111,14 @@ class NativeGPT2 {
     return static_cast<int64_t>(total);
   }
   bool half() const { return head_.half; }
+  // Bytes of the weights one pass reads at the checkpoint's precision: float16 where every weight
+  // of a product is a float16 value, whether or not it was packed so.
+  int64_t checkpoint_bytes() const {
+    auto at = [](const PackedLinear& L) { return static_cast<int64_t>(L.panels * L.K * kLanes) * (L.exact ? 2 : 4); };
+    int64_t total = at(head_);
+    for (const auto& b : blocks_) total += at(b.qkv) + at(b.proj) + at(b.fc) + at(b.mproj);
+    return total;
+  }
 
   // tokens, positions (B, N) int64; returns logits (B, N, V), or (B, 1, V) with last_only.
   torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& positions, torch::Tensor k_all,
@@ -1639,9 +1649,12 @@ void register_native_forward(py::module& m) {
   py::class_<NativeGPT2>(m, "NativeGPT2",
                          "A GPT-2 model packed for the native decode path: one call per forward pass")
       .def(py::init<const torch::Tensor&, const torch::Tensor&, const std::vector<torch::Tensor>&,
-                    const torch::Tensor&, const torch::Tensor&, int64_t, double, const std::string&, int64_t>(),
+                    const torch::Tensor&, const torch::Tensor&, int64_t, double, const std::string&, int64_t, bool>(),
+           "half=False packs float16-valued weights as float32 too: the same values, so the same bits out of "
+           "every pass, read at twice the bytes without widening (faster where the widening, not the weight "
+           "stream, sets a pass's time)",
            py::arg("wte"), py::arg("wpe"), py::arg("blocks"), py::arg("ln_f_weight"), py::arg("ln_f_bias"),
-           py::arg("n_head"), py::arg("eps"), py::arg("activation"), py::arg("head_rows") = 0)
+           py::arg("n_head"), py::arg("eps"), py::arg("activation"), py::arg("head_rows") = 0, py::arg("half") = true)
       .def("forward", &NativeGPT2::forward, "logits (B, N or 1, V) of N new tokens per row; writes their K/V",
            py::arg("tokens"), py::arg("positions"), py::arg("k_cache"), py::arg("v_cache"), py::arg("writes"),
            py::arg("starts"), py::arg("m"), py::arg("mask") = py::none(), py::arg("last_only") = false,
@@ -1656,7 +1669,8 @@ void register_native_forward(py::module& m) {
            "what this model has seen of its passes over `rows` (1-3) rows with group_runs 'auto': (running log of "
            "seconds with the form on over off, pairs compared, passes, passes with the form on)", py::arg("rows"))
       .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
-      .def_property_readonly("half", &NativeGPT2::half);
+      .def_property_readonly("half", &NativeGPT2::half)
+      .def_property_readonly("checkpoint_bytes", &NativeGPT2::checkpoint_bytes);
   py::class_<FormChooser>(m, "FormChooser",
                           "the rule a model chooses its group_runs form by, alone (for its tests): pick, then record")
       .def(py::init<>())

@@ -115,8 +115,10 @@ def native_build() -> dict:
 def profile_key(model, backend) -> dict:
     """Everything the figures depend on; a cached profile is used only when all of it matches."""
     native = bool(getattr(backend, "native", False))
+    packed = backend.native_rows(model) if native else None  # float16 or float32 weights: their speeds differ
     return {"schema": SCHEMA, "model": model_fingerprint(model), "backend": backend.name,
-            "native": native, **(native_build() if native else {}), **cpu_identity(),
+            "native": native, **(native_build() if native else {}),
+            **({"packed_half": packed.half} if packed is not None else {}), **cpu_identity(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "staged_engine": _version(),
             "python": platform.python_version()}
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from staged_engine.model.backend import TorchBackend as _Backend  # noqa: F401
 from staged_engine.model.backend import TorchBackend, _cpu
 from staged_engine.model.checkpoint import load_model
 from staged_engine.model.runner import ModelRunner
@@ -220,6 +221,10 @@ def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, na
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.half().float())
+
+    def TorchBackend(native):  # float16 values streamed as float16 (not the faster packing, if timed so)
+        return _Backend(native=native, wide_weights=False)
+
     assert TorchBackend(native=True).native_model(model).half == (weights == "fp16-exact")
     g = torch.Generator().manual_seed(4)
     vocab = model.config.vocab_size
@@ -320,9 +325,10 @@ def test_fp16_exact_weights_are_streamed_as_fp16(checkpoints):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.half().float())
-    backend = TorchBackend(native=True)
+    backend = TorchBackend(native=True, wide_weights=False)
     native = backend.native_model(model)
     assert native.half
+    assert native.checkpoint_bytes == native.weight_bytes
     ids, pos = [5, 9, 2, 7], [0, 1, 2, 3]
     with torch.inference_mode():
         got = ModelRunner(model, backend).forward_nodes(ids, pos, None)
@@ -330,7 +336,66 @@ def test_fp16_exact_weights_are_streamed_as_fp16(checkpoints):
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
     with torch.no_grad():
         model.wte.weight[0, 0] += 1e-6  # below the fp16 spacing there: not representable
-    assert not TorchBackend(native=True).native_model(model).half
+    assert not TorchBackend(native=True, wide_weights=False).native_model(model).half
+
+
+@pytest.mark.parametrize("name", ["odd96", "head64"])
+def test_fp16_exact_weights_packed_as_fp32_give_the_same_bits(checkpoints, head64, name):
+    """The float32 packing of float16-valued weights (``wide_weights``, or where it timed faster)
+    reads the same values: one-token decoding and a 7-row chain give the bits of the float16
+    packing, logits and K/V; it streams twice the bytes, and the checkpoint's bytes stay those
+    of float16. Left to the backend, either packing is chosen and the choice is recorded."""
+    model = load_model(head64 if name == "head64" else checkpoints[name])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    g = torch.Generator().manual_seed(6)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (9,), generator=g).tolist()
+    new = torch.randint(0, vocab, (12,), generator=g).tolist()
+    out = {}
+    for wide in (False, True):
+        backend = TorchBackend(native=True, wide_weights=wide)
+        native = backend.native_model(model)
+        assert native.half != wide
+        assert native.weight_bytes == (2 if wide else 1) * native.checkpoint_bytes
+        with torch.inference_mode():
+            runner = ModelRunner(model, backend)
+            runner.prefill(prompt)
+            seq = torch.stack([runner.step(t) for t in new])
+            chain = ModelRunner(model, backend)
+            chain.prefill(prompt)
+            rows = chain.forward_nodes(new[:7], list(range(9, 16)), None)
+        n = len(prompt) + len(new)
+        out[wide] = (seq, rows, runner.cache.k[:, :, :, :n].clone(), runner.cache.v[:, :, :, :n].clone())
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+    auto = TorchBackend(native=True)
+    native = auto.native_model(model)
+    how = auto.packing[id(model)]
+    assert how["packed"] == ("float16" if native.half else "float32")
+    assert how["why"] == "timed" or "outgrows" in how["why"]
+
+
+def test_packing_comparison_reads_the_clock_both_ways(checkpoints):
+    """``compare_packings(a, b)`` is a's one-row pass time over b's: about level for a model
+    against itself, and below 1 exactly when a is the faster (a pass that sleeps 2 ms against one
+    that does not)."""
+    import time
+
+    from staged_engine.model.backend import compare_packings
+
+    model = load_model(checkpoints["odd96"])
+    native = TorchBackend(native=True, wide_weights=False).native_model(model)
+
+    class Slow:
+        def forward_ids(self, *args):
+            time.sleep(0.002)
+            return native.forward_ids(*args)
+
+    assert 0.5 < compare_packings(native, native, model.config) < 2.0
+    assert compare_packings(native, Slow(), model.config, rounds=3) < 0.5
+    assert compare_packings(Slow(), native, model.config, rounds=3) > 2.0
 
 
 def test_the_block_form_is_probed_once_and_can_be_pinned():
