@@ -198,8 +198,10 @@ class TorchBackend(Backend):
                 how = {"packed": "float16", "why": "timed", "float32_over_float16": round(ratio, 3)}
                 if ratio < 1.0 - WIDE_MARGIN:
                     native, how["packed"] = wide, "float32"
-            else:
+            elif llc:
                 how["why"] = f"float32 copy ({2 * native.weight_bytes} bytes) outgrows the last-level cache ({llc})"
+            else:
+                how["why"] = "the last-level cache's size is unknown here"
         self.packing[id(model)] = how
         entry = _Packed(model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors, model.head_rows)
         self._natives[id(model)] = entry

@@ -374,7 +374,7 @@ def test_fp16_exact_weights_packed_as_fp32_give_the_same_bits(checkpoints, head6
     native = auto.native_model(model)
     how = auto.packing[id(model)]
     assert how["packed"] == ("float16" if native.half else "float32")
-    assert how["why"] == "timed" or "outgrows" in how["why"]
+    assert how["why"] == "timed" or "outgrows" in how["why"] or "unknown" in how["why"]
 
 
 def test_packing_comparison_reads_the_clock_both_ways(checkpoints):
