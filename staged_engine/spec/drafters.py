@@ -151,8 +151,8 @@ class ModelDrafter:
     def __init__(self, runner: ModelRunner, sampling: SamplingConfig,
                  shape: TreeShape, inner: "NGramDrafter | ModelDrafter | None" = None,
                  window: int | None = None) -> None:
-        if window is not None and (not is_int(window) or window < 1):
-            raise ValueError(f"draft_window must be an integer >= 1 or None, got {window!r}")
+        if window is not None:
+            check_int("draft_window", window)
         self.runner = runner
         self.sampling = sampling
         self.shape = shape
