@@ -14,6 +14,13 @@ if not torch.cuda.is_available():
 from ckpt_util import CHECKPOINT_CONFIGS, make_hf_checkpoint, perturbed_copy
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pytest.ini): one worker per CPU this process may run on (its affinity, which
+    a container or ``taskset`` narrows), not per CPU the machine has. Each test runs torch on one
+    thread (below), so the workers never oversubscribe the cores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("ckpt")
