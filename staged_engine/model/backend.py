@@ -202,6 +202,11 @@ class TorchBackend(Backend):
                 how["why"] = f"float32 copy ({2 * native.weight_bytes} bytes) outgrows the last-level cache ({llc})"
             else:
                 how["why"] = "the last-level cache's size is unknown here"
+        # Weights that outgrow the last-level cache stream through it on every pass: prefetched
+        # non-temporally, they leave it to what it can hold (``NativeGPT2.set_streaming``).
+        llc = last_level_cache_bytes()
+        native.set_streaming(bool(llc) and native.weight_bytes > llc)
+        how["streaming"] = native.streaming
         self.packing[id(model)] = how
         entry = _Packed(model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors, model.head_rows)
         self._natives[id(model)] = entry

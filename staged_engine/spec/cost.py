@@ -118,7 +118,8 @@ def profile_key(model, backend) -> dict:
     packed = backend.native_rows(model) if native else None  # float16 or float32 weights: their speeds differ
     return {"schema": SCHEMA, "model": model_fingerprint(model), "backend": backend.name,
             "native": native, **(native_build() if native else {}),
-            **({"packed_half": packed.half} if packed is not None else {}), **cpu_identity(),
+            **({"packed_half": packed.half, "streaming": packed.streaming} if packed is not None else {}),
+            **cpu_identity(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "staged_engine": _version(),
             "python": platform.python_version()}
 

@@ -377,6 +377,89 @@ def test_fp16_exact_weights_packed_as_fp32_give_the_same_bits(checkpoints, head6
     assert how["why"] == "timed" or "outgrows" in how["why"] or "unknown" in how["why"]
 
 
+@pytest.fixture(scope="module")
+def streams(tmp_path_factory) -> str:
+    """A model whose float16 weights (7.3 MB) outgrow the L2 cache of the one thread the tests
+    run on (any L2 up to 4 MB), in products of K >= 256: each prefetches ahead in its streams."""
+    from ckpt_util import make_hf_checkpoint
+
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("streams") / "m"), seed=8, vocab_size=8192,
+                              n_positions=64, n_embd=256, n_layer=2, n_head=4)
+
+
+def test_streaming_weights_give_the_same_bits(streams):
+    """Non-temporal prefetch of the weight streams (``set_streaming``) changes where lines are
+    cached, never a value: one-token decoding, a 7-row pass and a 3-node tree give the same
+    logits and K/V bits either way, and those are HF transformers' within 1e-4."""
+    from transformers import GPT2LMHeadModel
+
+    model = load_model(streams)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    backend = TorchBackend(native=True, wide_weights=False)
+    native = backend.native_model(model)
+    assert native.half and native.weight_bytes > (4 << 20) * torch.get_num_threads()
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, 8192, (9,), generator=g).tolist()
+    new = torch.randint(0, 8192, (12,), generator=g).tolist()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    out = {}
+    forms = ["off", "on"] if _cpu.group_runs() != "off" else ["off"]  # blocks of several groups or one
+    runs = [(form, on) for form in forms for on in (False, True, False)]
+    try:
+        for form, on in runs:
+            _cpu.set_group_runs(form)
+            native.set_streaming(on)
+            assert native.streaming is on
+            out = _stream_outputs(model, backend, prompt, new, tree, out, on)
+    finally:
+        _cpu.set_group_runs("auto")
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+    ref = GPT2LMHeadModel.from_pretrained(streams).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.half().float())
+        want = ref(torch.tensor([prompt + new[:7]])).logits[0, 9:]
+    assert ((out[True][1] - want).abs().max() / want.abs().max()).item() <= 1e-4
+
+
+def _stream_outputs(model, backend, prompt, new, tree, out, on):
+    """Logits of one-token decoding, a 7-row pass and a 3-node tree, and the K/V, checked against
+    the bits of every earlier run in ``out`` (either setting, either form), which they extend."""
+    with torch.inference_mode():
+        runner = ModelRunner(model, backend)
+        runner.prefill(prompt)
+        seq = torch.stack([runner.step(t) for t in new])
+        chain = ModelRunner(model, backend)
+        chain.prefill(prompt)
+        rows = chain.forward_nodes(new[:7], list(range(9, 16)), None)
+        chain.discard()
+        nodes = chain.forward_nodes(new[:3], [9, 10, 10], tree)
+    n = len(prompt) + len(new)
+    got = (seq, rows, nodes, runner.cache.k[:, :, :, :n].clone(), runner.cache.v[:, :, :, :n].clone())
+    for seen in out.values():
+        assert all(torch.equal(a, b) for a, b in zip(seen, got))
+    out[on] = got
+    return out
+
+
+@pytest.mark.parametrize("llc,expect", [(1 << 10, True), (1 << 40, False), (0, False)])
+def test_weights_that_outgrow_the_last_level_cache_stream(checkpoints, monkeypatch, llc, expect):
+    """The backend streams a model's weights non-temporally exactly when they outgrow the
+    last-level cache the OS reports (not when it reports none), and records it."""
+    import staged_engine.model.backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "last_level_cache_bytes", lambda: llc)
+    model = load_model(checkpoints["odd96"])
+    for wide in (None, False):
+        backend = TorchBackend(native=True, wide_weights=wide)
+        native = backend.native_model(model)
+        assert native.streaming is expect
+        assert backend.packing[id(model)]["streaming"] is expect
+
+
 def test_packing_comparison_reads_the_clock_both_ways(checkpoints):
     """``compare_packings(a, b)`` is a's one-row pass time over b's: about level for a model
     against itself, and below 1 exactly when a is the faster (a pass that sleeps 2 ms against one
