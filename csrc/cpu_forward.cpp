@@ -1122,9 +1122,10 @@ class NativeGPT2 {
   // could keep (the K/V cache, activations, another model's weights). The caller decides
   // (``TorchBackend._pack``: the cache size is the OS's to report). Demo oracle (16.8 MB of
   // float16 weights, 8 MB L3, AVX2 Zen 1, one process, alternating): one-row passes 0.87x, two
-  // rows 0.90x, four 0.96x the time with temporal prefetch, plain decoding end to end 0.84-0.87x;
-  // GPT-2-small shape (247 MB) unchanged (1.00-1.01x); the demo draft (3.9 MB packed, fits) 1.0x
-  // alone and 1.12-1.17x slower in speculative rounds with it (its lines then leave the L3). Never changes a bit.
+  // rows 0.90x, four 0.96x the time with temporal prefetch, plain decoding end to end 0.84-0.91x
+  // (two runs); GPT-2-small shape (247 MB) unchanged (1.00-1.01x); the demo draft (3.9 MB packed,
+  // fits) 1.0x alone and 1.12-1.17x slower in speculative rounds with it (its lines then leave
+  // the L3), so it keeps temporal prefetch. Never changes a bit.
   void set_streaming(bool on) {
     head_.stream = on;
     for (auto& b : blocks_)

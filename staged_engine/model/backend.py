@@ -190,8 +190,8 @@ class TorchBackend(Backend):
         native = make(self.wide_weights is not True)
         how = {"packed": "float16" if native.half else "float32", "why": "fixed" if self.wide_weights is not None
                else "float32 weights"}
+        llc = last_level_cache_bytes()
         if self.wide_weights is None and native.half:
-            llc = last_level_cache_bytes()
             if 2 * native.weight_bytes <= llc:
                 wide = make(False)
                 ratio = compare_packings(wide, native, cfg)
@@ -204,7 +204,6 @@ class TorchBackend(Backend):
                 how["why"] = "the last-level cache's size is unknown here"
         # Weights that outgrow the last-level cache stream through it on every pass: prefetched
         # non-temporally, they leave it to what it can hold (``NativeGPT2.set_streaming``).
-        llc = last_level_cache_bytes()
         native.set_streaming(bool(llc) and native.weight_bytes > llc)
         how["streaming"] = native.streaming
         self.packing[id(model)] = how
