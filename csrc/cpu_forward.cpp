@@ -271,6 +271,14 @@ inline void finish(vec (&acc)[NR][NP], const PackedLinear& L, float* y, int64_t 
   }
 }
 
+// A software prefetch of weight bytes with the stream's usual ``Hint``, or non-temporal where
+// the model streams its weights (PackedLinear::stream).
+template <int Hint>
+inline void prefetch_weights(const void* p, bool nta) {
+  if (nta) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
+  else _mm_prefetch(static_cast<const char*>(p), static_cast<_mm_hint>(Hint));
+}
+
 // One register block: rows [r0, r0 + NR) x panels [p0, p0 + NP) of y = x W^T + b, then the
 // epilogue. w is the panel group's weights, (K, NP, kLanes) k-major, as float16 bits (widened in
 // registers) or float32; ahead, bytes of software prefetch in that stream (0: none). x rows have
@@ -286,10 +294,8 @@ inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float*
   const bool nta = L.stream;
   for (int64_t k = 0; k < L.K; ++k, w += NP * kLanes) {
     if (ahead)
-      for (int64_t off = 0; off < NP * kLanes * static_cast<int64_t>(sizeof(W)); off += 64) {
-        if (nta) _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_NTA);
-        else _mm_prefetch(reinterpret_cast<const char*>(w) + ahead + off, _MM_HINT_T0);
-      }
+      for (int64_t off = 0; off < NP * kLanes * static_cast<int64_t>(sizeof(W)); off += 64)
+        prefetch_weights<_MM_HINT_T0>(reinterpret_cast<const char*>(w) + ahead + off, nta);
     vec wv[NP];
     for (int j = 0; j < NP; ++j) wv[j] = vloadw(w + j * kLanes);
     for (int r = 0; r < NR; ++r) {
@@ -536,14 +542,9 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
     for (int r = 0; r < NR; ++r) xv[r] = vset1(xr[r][k]);
     for (int g = 0; g < NG; ++g) {
       if (ahead) {
-        for (int64_t o = 0; o < NP * kLanes * static_cast<int64_t>(sizeof(W)); o += 64) {
-          if (nta) _mm_prefetch(reinterpret_cast<const char*>(ws + off[g]) + ahead + o, _MM_HINT_NTA);
-          else _mm_prefetch(reinterpret_cast<const char*>(ws + off[g]) + ahead + o, _MM_HINT_T0);
-        }
-        if (far && (k & 1) == 0) {
-          if (nta) _mm_prefetch(reinterpret_cast<const char*>(ws + off[g]) + far, _MM_HINT_NTA);
-          else _mm_prefetch(reinterpret_cast<const char*>(ws + off[g]) + far, _MM_HINT_T1);
-        }
+        for (int64_t o = 0; o < NP * kLanes * static_cast<int64_t>(sizeof(W)); o += 64)
+          prefetch_weights<_MM_HINT_T0>(reinterpret_cast<const char*>(ws + off[g]) + ahead + o, nta);
+        if (far && (k & 1) == 0) prefetch_weights<_MM_HINT_T1>(reinterpret_cast<const char*>(ws + off[g]) + far, nta);
       }
       for (int j = 0; j < NP; ++j) {
         const vec wv = vloadw(ws + off[g] + j * kLanes);
