@@ -13,7 +13,11 @@ GPT-2 small, at 1-64 rows, in the same run as
 - the **compute bound**: 2 M K N FLOP at the fp32 GEMM rate torch's BLAS reaches here (the best
   of three; the kernel itself may exceed it at 4-6 rows);
 - torch's ``x @ W.T`` in fp32 at the same shapes;
-- the same kernel on fp32-packed weights (twice the bytes, no widening), where they fit.
+- the same kernel on fp32-packed weights (twice the bytes, no widening), where they fit;
+- the **widening bound**: the packed fp16 bytes at the rate this CPU widens float16 to float32
+  with nothing else to do (``_cpu.widen_seconds``, the best of three). Where the fp16 kernel's
+  lead over the fp32-packed one at 6 rows (the same FMAs) is about this bound, the widening does
+  not overlap the FMAs: it takes their pipes, and a pass pays both.
 
 Within one register block (1-6 rows) it fits t(N) = a + b N by least squares: ``a`` is what a
 pass pays whatever its rows (streaming and widening the weights), ``b`` what each row adds
@@ -35,7 +39,7 @@ import sys
 import torch
 
 from common import machine, plot_path, progress, publish, timed
-from roofline import gemm_rate, read_bandwidth
+from roofline import gemm_rate, read_bandwidth, widening_rate
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 FIT_ROWS = (1, 2, 3, 4, 5, 6)  # one register block: each weight streamed and widened once
@@ -76,7 +80,7 @@ def torch_matmul(w: torch.Tensor, rows: int, repeats: int) -> float:
     return statistics.median(timed(lambda: x @ w.T, repeats)[0])
 
 
-def measure(name: str, m: int, k: int, repeats: int, rate: float) -> dict:
+def measure(name: str, m: int, k: int, repeats: int, rate: float, widen: float | None) -> dict:
     g = torch.Generator().manual_seed(0)
     w16 = (torch.randn(m, k, generator=g) * 0.02).half().float()  # fp16-exact: packed as fp16
     fp32 = m * k <= FP32_MAX_PARAMS
@@ -86,7 +90,8 @@ def measure(name: str, m: int, k: int, repeats: int, rate: float) -> dict:
     assert half, "an fp16-exact weight must pack as fp16"
     bw = best_bandwidth(nbytes)
     out = {"out_features": m, "in_features": k, "params": m * k, "packed_bytes": nbytes,
-           "read_bandwidth_GBps": bw / 1e9, "bandwidth_bound_us": nbytes / bw * 1e6, "rows": {}}
+           "read_bandwidth_GBps": bw / 1e9, "bandwidth_bound_us": nbytes / bw * 1e6,
+           "widening_bound_us": nbytes / widen * 1e6 if widen else None, "rows": {}}
     for n in ROWS:
         progress(f"{name}: {n} rows ...")
         t16, _, _ = native(w16, n, reps)
@@ -104,6 +109,12 @@ def measure(name: str, m: int, k: int, repeats: int, rate: float) -> dict:
     out["fit_us"] = {"a": a, "b": b}
     out["a_over_bandwidth_bound"] = a / out["bandwidth_bound_us"]
     out["b_over_compute_per_row"] = b / (2 * m * k / rate * 1e6)
+    if out["widening_bound_us"]:
+        out["a_over_widening_bound"] = a / out["widening_bound_us"]
+        r6 = out["rows"]["6"]
+        if "fp32_packed_us" in r6:  # the same FMAs: what widening adds to them
+            out["fp16_minus_fp32_at_6_over_widening_bound"] = \
+                (r6["fp16_us"] - r6["fp32_packed_us"]) / out["widening_bound_us"]
     return out
 
 
@@ -111,7 +122,9 @@ def table(result: dict) -> str:
     m = result["machine"]
     ext = ", ".join(v for v in m.get("vector_extensions", []) if v in ("avx2", "avx512f", "avx512_bf16", "f16c"))
     lines = [f"The native linear kernel alone ({m['cpu']}, {ext}; {result['threads']} threads; fp32 GEMM "
-             f"{result['gemm_GFLOPs']:.0f} GFLOP/s): microseconds per product over N rows, fp16-packed weights "
+             f"{result['gemm_GFLOPs']:.0f} GFLOP/s"
+             + (f"; float16 widened at {result['widening_GBps']:.1f} GB/s" if result.get("widening_GBps") else "")
+             + "): microseconds per product over N rows, fp16-packed weights "
              "(widened in registers), and time over max(bandwidth bound, compute bound):", "",
              "| weights | packed | read bandwidth there | " + " | ".join(f"N={n}" for n in ROWS) + " |",
              "|---|---|---|" + "---|" * len(ROWS)]
@@ -121,14 +134,22 @@ def table(result: dict) -> str:
                      + " | ".join(f"{s['rows'][str(n)]['fp16_us']:.0f} ({s['rows'][str(n)]['fp16_over_bound']:.2f})"
                                   for n in ROWS) + " |")
     lines += ["", "Fit over one register block (N = 1-6): t(N) = a + b N, against the bounds; torch fp32 "
-              "`x @ W.T` and the kernel on fp32-packed weights (twice the bytes, no widening) at N = 1 and 6:", "",
+              "`x @ W.T` and the kernel on fp32-packed weights (twice the bytes, no widening) at N = 1 and 6; "
+              "the widening bound, and what fp16 packing adds to fp32 packing's time at N = 6 over it:", "",
               "| weights | a (us) | a / bandwidth bound | b (us a row) | b / compute bound a row | "
-              "torch N=1 | torch N=6 | fp32-packed N=1 | fp32-packed N=6 |", "|---|---|---|---|---|---|---|---|---|"]
+              "torch N=1 | torch N=6 | fp32-packed N=1 | fp32-packed N=6 | widening bound (us) | "
+              "a / widening bound | (fp16 - fp32-packed) at N=6 / widening bound |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in result["shapes"].items():
         r1, r6 = s["rows"]["1"], s["rows"]["6"]
         f32 = (f"{r1['fp32_packed_us']:.0f} | {r6['fp32_packed_us']:.0f}" if "fp32_packed_us" in r1 else " | ")
+        wb = s.get("widening_bound_us")
+        extra = s.get("fp16_minus_fp32_at_6_over_widening_bound")
+        widen = (f"{wb:.0f} | {s['a_over_widening_bound']:.2f} | " + (f"{extra:.2f}" if extra is not None else "")
+                 if wb else "n/a | | ")
         lines.append(f"| {name} | {s['fit_us']['a']:.0f} | {s['a_over_bandwidth_bound']:.2f} | {s['fit_us']['b']:.1f} | "
-                     f"{s['b_over_compute_per_row']:.2f} | {r1['torch_fp32_us']:.0f} | {r6['torch_fp32_us']:.0f} | {f32} |")
+                     f"{s['b_over_compute_per_row']:.2f} | {r1['torch_fp32_us']:.0f} | {r6['torch_fp32_us']:.0f} | {f32} | "
+                     f"{widen} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     progress("measuring the GEMM rate ...")
     rate = best_gemm_rate()
+    widen = max((widening_rate() for _ in range(3)), key=lambda x: x or 0.0)
     result = {"benchmark": "native linear kernel", "machine": machine(), "threads": args.threads,
-              "gemm_GFLOPs": rate / 1e9, "shapes": {}}
+              "gemm_GFLOPs": rate / 1e9, "widening_GBps": widen / 1e9 if widen else None, "shapes": {}}
     for name, m, k in SHAPES:
-        result["shapes"][name] = measure(name, m, k, args.repeats, rate)
+        result["shapes"][name] = measure(name, m, k, args.repeats, rate, widen)
     publish(result, table(result), args.out)
     png = plot_path(args.out, "linear_cpu.json", "linear")
     plot(result, png)

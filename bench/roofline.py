@@ -14,7 +14,10 @@ fp16 weights, or ``--models DIR ...``):
 - an N-node pass (N = 1..64, a random tree below a 128-token prefix, on the engine's path:
   ``ModelRunner.forward_nodes``, one native call from lists) against the larger of that
   bandwidth bound and the **compute bound** (2 x weights x N FLOP at the fp32 GEMM rate torch's
-  BLAS reaches here on a 1024^3 product);
+  BLAS reaches here on a 1024^3 product); for models packed float16, also against the
+  **widening bound** (their packed bytes at the rate this CPU widens float16 to float32 alone,
+  ``_cpu.widen_seconds``) plus the compute bound: where the widening takes the FMAs' pipes (the
+  AVX2 Zen 1) the two add up;
 - plain decoding tokens/s through the Engine against HF transformers ``generate`` (greedy, fp32)
   and against **llama.cpp** (``llama-bench -p 0 -n 128``) on the same checkpoint converted to
   GGUF at the same precision (f16 when the weights are fp16-exact), same thread count. llama.cpp is
@@ -73,6 +76,20 @@ def gemm_rate() -> float:
         a @ b
         times.append(time.perf_counter() - t0)
     return 2 * 1024 ** 3 / statistics.median(times)
+
+
+def widening_rate(nbytes: int = 8 << 20, repeats: int = 7) -> float | None:
+    """Bytes/s of float16 weights widened to float32 on every thread with nothing else to do
+    (``_cpu.widen_seconds``: F16C's conversion, as the decoder's products widen fp16-packed
+    weights, from slices the L1 cache holds), the median of ``repeats`` passes over ``nbytes``.
+    A pass over fp16-packed weights cannot run faster than its weights widen, whatever the
+    weight stream delivers. None where the extension is not built."""
+    from staged_engine.model.backend import _cpu
+
+    if _cpu is None or not hasattr(_cpu, "widen_seconds"):
+        return None
+    seconds = _cpu.widen_seconds(nbytes, repeats + 1)[1:]
+    return nbytes // 2 * 2 / statistics.median(seconds)
 
 
 def gpt2_small_checkpoint(tokenizer_from: str) -> str:
@@ -179,7 +196,7 @@ def hf_tokens_per_s(path: str, tokens: int = 128) -> float:
     return statistics.median(runs)
 
 
-def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
+def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: float | None = None) -> dict:
     from staged_engine.model.backend import TorchBackend
     from staged_engine.model.checkpoint import load_model
 
@@ -214,11 +231,16 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
     curve = {n: med(r["curve"][n] for r in raw) for n in raw[0]["curve"]}
     bound_bw, bound_dram = nbytes / bw, nbytes / dram_bw
     flop_per_node = 2 * nbytes / (2 if half else 4)
+    # The widening bound: the packed float16 bytes at the rate this CPU widens them alone (None
+    # for weights packed float32, which are not widened).
+    bound_widen = native.weight_bytes / widen if widen and native.half else None
     nodes = {}
     for n, t in curve.items():
         compute = flop_per_node * n / rate
         nodes[str(n)] = {"seconds": t, "compute_bound_s": compute, "bandwidth_bound_s": bound_bw,
                          "ratio_to_bound": t / max(compute, bound_bw)}
+        if bound_widen:
+            nodes[str(n)]["ratio_to_widening_plus_compute"] = t / max(bound_widen + compute, bound_bw)
     # Each round's decode against the bound its own bandwidth probe, run just before, set: the
     # machine's state is the same for both (on a shared VM the DRAM read rate moves between
     # rounds by up to 1.6x, and the best probe of one round against the median decode of others
@@ -232,7 +254,8 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float) -> dict:
            "read_bandwidth_rounds_GBps": [r["bw"] / 1e9 for r in raw],
            "share_of_bound_rounds": paired, "share_of_bound_paired": med(paired),
            "bound_ms": bound_bw * 1e3, "share_of_bound": bound_bw / ms,
-           "dram_bound_ms": bound_dram * 1e3, "share_of_dram_bound": bound_dram / ms, "nodes": nodes}
+           "dram_bound_ms": bound_dram * 1e3, "share_of_dram_bound": bound_dram / ms, "nodes": nodes,
+           "widening_bound_ms": bound_widen * 1e3 if bound_widen else None}
     if not args.no_hf:
         row["engine_tokens_per_s"] = med(r["engine"] for r in raw)
         row["hf_tokens_per_s"] = med(r["hf"] for r in raw)
@@ -260,12 +283,16 @@ def table(result: dict) -> str:
     lines = [f"Plain decoding against the weight-streaming bound, N-node passes against the larger of the "
              f"bandwidth and compute bounds ({m['cpu']}, {', '.join(v for v in m.get('vector_extensions', []) if v in ('avx2', 'avx512f', 'avx512_bf16'))}; "
              f"{result['threads']} threads; DRAM read {result['dram_read_GBps']:.1f} GB/s, fp32 GEMM "
-             f"{result['gemm_GFLOPs']:.0f} GFLOP/s; every time a median of {result.get('rounds', 1)} rounds, "
+             f"{result['gemm_GFLOPs']:.0f} GFLOP/s"
+             + (f", float16 widened to float32 at {result['widening_GBps']:.1f} GB/s"
+                if result.get("widening_GBps") else "")
+             + f"; every time a median of {result.get('rounds', 1)} rounds, "
              "the bandwidths and the GEMM rate the best of them):", "",
              "| model | weights a token | read bandwidth there | ms/token | bound | share of bound | "
              "share of bound, each round against its own probe (median) | share of DRAM bound "
-             "| engine tok/s | HF generate tok/s | llama.cpp tok/s | engine vs llama.cpp (median of rounds) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| widening bound (fp16-packed) | engine tok/s | HF generate tok/s | llama.cpp tok/s "
+             "| engine vs llama.cpp (median of rounds) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["models"].items():
         lc = r.get("llama_cpp", {})
         lc_ts = lc.get("tokens_per_s")
@@ -274,12 +301,21 @@ def table(result: dict) -> str:
             f"| {name} ({r['params'] / 1e6:.1f}M) | {r['weight_bytes'] / 1e6:.1f} MB {r['weights']} | "
             f"{r['read_bandwidth_at_weight_size_GBps']:.0f} GB/s | {r['ms_per_token']:.3f} | {r['bound_ms']:.3f} | "
             f"{r['share_of_bound']:.0%} | {_pct(r.get('share_of_bound_paired'))} | {r['share_of_dram_bound']:.0%} | "
-            f"{_num(eng)} | {_num(r.get('hf_tokens_per_s'))} | "
+            + (f"{r['widening_bound_ms']:.3f} | " if r.get("widening_bound_ms") else "none (fp32) | ")
+            + f"{_num(eng)} | {_num(r.get('hf_tokens_per_s'))} | "
             + (f"{lc_ts:.0f} | {r.get('engine_vs_llama_cpp', eng / lc_ts):.2f}x |" if lc_ts and eng else f"n/a ({lc.get('unavailable', 'not run')[:80]}) | |"))
     lines += ["", "N-node pass time over max(bandwidth bound, compute bound):", "",
               "| model | " + " | ".join(f"N={n}" for n in NODES) + " |", "|---|" + "---|" * len(NODES)]
     for name, r in result["models"].items():
         lines.append(f"| {name} | " + " | ".join(f"{r['nodes'][str(n)]['ratio_to_bound']:.2f}" for n in NODES) + " |")
+    widened = {name: r for name, r in result["models"].items() if r.get("widening_bound_ms")}
+    if widened:  # where the widening competes with the FMAs for the same pipes, their times add
+        lines += ["", "The same passes of fp16-packed models over max(bandwidth bound, widening bound + compute "
+                  "bound):", "", "| model | " + " | ".join(f"N={n}" for n in NODES) + " |",
+                  "|---|" + "---|" * len(NODES)]
+        for name, r in widened.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{r['nodes'][str(n)]['ratio_to_widening_plus_compute']:.2f}" for n in NODES) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -303,7 +339,10 @@ def plot(result: dict, path: str) -> None:
     a.legend()
     for n in names:
         nodes = result["models"][n]["nodes"]
-        b.plot(NODES, [nodes[str(k)]["ratio_to_bound"] for k in NODES], marker="o", label=n)
+        line, = b.plot(NODES, [nodes[str(k)]["ratio_to_bound"] for k in NODES], marker="o", label=n)
+        if "ratio_to_widening_plus_compute" in nodes[str(NODES[0])]:
+            b.plot(NODES, [nodes[str(k)]["ratio_to_widening_plus_compute"] for k in NODES], ls=":",
+                   color=line.get_color(), label=f"{n}: over widening + compute")
     b.axhline(1.3, color="gray", lw=0.8, ls="--")
     b.set_xscale("log", base=2)
     b.set_xlabel("tree nodes per pass")
@@ -338,10 +377,12 @@ def main(argv=None) -> int:
     progress("measuring DRAM read bandwidth and the GEMM rate ...")
     dram = max(read_bandwidth(512 << 20) for _ in range(args.rounds))
     rate = max(gemm_rate() for _ in range(args.rounds))
+    widen = max((widening_rate() for _ in range(args.rounds)), key=lambda x: x or 0.0)
     result = {"benchmark": "decode roofline", "machine": machine(), "threads": args.threads, "rounds": args.rounds,
-              "dram_read_GBps": dram / 1e9, "gemm_GFLOPs": rate / 1e9, "models": {}}
+              "dram_read_GBps": dram / 1e9, "gemm_GFLOPs": rate / 1e9,
+              "widening_GBps": widen / 1e9 if widen else None, "models": {}}
     for name, path in models.items():
-        result["models"][name] = measure(name, path, args, dram, rate)
+        result["models"][name] = measure(name, path, args, dram, rate, widen)
     publish(result, table(result), args.out)
     png = plot_path(args.out, "roofline.json", "roofline")
     plot(result, png)

@@ -1676,6 +1676,48 @@ std::vector<double> read_seconds(int64_t nbytes, int64_t repeats) {
   return seconds;
 }
 
+// Seconds of each of ``repeats`` passes that widen ``nbytes`` of float16 weights to float32 as
+// every product over fp16-packed weights does (vloadw: F16C's VCVTPH2PS, the build's vector
+// width), split over the threads, each re-reading a 16 KiB slice that its L1 cache holds and
+// summing into eight accumulators: the rate this CPU widens at with no weight stream to wait on
+// and no FMAs beside it. It bounds a pass over fp16-packed weights from below as the weight
+// stream does (bench/roofline.py, bench/linear.py): on the project's AVX2 Zen 1 a 256-bit
+// widening took ~3 cycles, 13 GB/s of float16 a core, below what its DRAM delivers to two.
+std::vector<double> widen_seconds(int64_t nbytes, int64_t repeats) {
+  SE_CHECK(nbytes >= 4096 && nbytes <= (int64_t(16) << 30), "nbytes must be in [4096, 16 GiB], got ", nbytes);
+  SE_CHECK(repeats >= 1 && repeats <= 100000, "repeats must be in [1, 100000], got ", repeats);
+  constexpr int64_t kSlice = 8192;  // halves a thread re-reads: 16 KiB
+  const int64_t unit = 8 * kLanes;  // halves a step
+  const int nt = forward_threads();
+  aligned_vector<uint16_t> buf(kSlice * nt, 0x3c00);  // float16 1.0
+  const int64_t halves = nbytes / 2 / unit * unit;
+  std::vector<float> sink(64 * 16, 0.f);
+  std::vector<double> seconds;
+  seconds.reserve(repeats);
+  for (int64_t i = 0; i < repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(nt)
+    {
+      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+      const int64_t units = halves / unit, todo = (units * (tid + 1) / nth - units * tid / nth) * unit;
+      const uint16_t* slice = buf.data() + static_cast<int64_t>(tid) * kSlice;
+      vec acc[8];
+      for (auto& a : acc) a = vzero();
+      for (int64_t done = 0; done < todo;) {
+        const int64_t n = std::min(kSlice, todo - done);
+        for (const uint16_t* q = slice; q < slice + n; q += unit)
+          for (int j = 0; j < 8; ++j) acc[j] = vadd(acc[j], vloadw(q + j * kLanes));
+        done += n;
+      }
+      for (int j = 1; j < 8; ++j) acc[0] = vadd(acc[0], acc[j]);
+      sink[tid * 16] += vsum(acc[0]);  // keeps the widenings
+    }
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  SE_CHECK(sink[0] > 0.f, "the widening probe summed nothing");
+  return seconds;
+}
+
 void register_native_forward(py::module& m) {
   py::class_<NativeGPT2>(m, "NativeGPT2",
                          "A GPT-2 model packed for the native decode path: one call per forward pass")
@@ -1723,6 +1765,10 @@ void register_native_forward(py::module& m) {
         "seconds of each of `repeats` reads of an `nbytes` float32 buffer split over the threads: the read "
         "bandwidth a weight stream of that size reaches here", py::arg("nbytes"), py::arg("repeats"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("widen_seconds", &widen_seconds,
+        "seconds of each of `repeats` passes that widen `nbytes` of float16 weights to float32 as the decoder's "
+        "products do, split over the threads, from L1-resident slices: the widening rate alone",
+        py::arg("nbytes"), py::arg("repeats"), py::call_guard<py::gil_scoped_release>());
   m.def("huge_pages", &huge_pages,
         "whether native buffers of 2 MiB or more (packed weights, the read probe's buffer) are advised as "
         "transparent huge pages");

@@ -4,6 +4,7 @@ bad arguments refused with ValueError (in a subprocess, so a crash fails one tes
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import sys
 
@@ -624,6 +625,15 @@ def test_the_read_probe_reports_each_read():
     assert len(seconds) == 4 and all(0 < s < 1 for s in seconds)
 
 
+def test_the_widening_probe_reports_each_pass_and_scales_with_its_bytes():
+    seconds = _cpu.widen_seconds(1 << 20, 4)
+    assert len(seconds) == 4 and all(0 < s < 1 for s in seconds)
+    # 64 times the bytes: the same L1-resident slices, widened 64 times as often
+    small = statistics.median(_cpu.widen_seconds(64 << 10, 9))
+    large = statistics.median(_cpu.widen_seconds(4 << 20, 9))
+    assert large > 8 * small, (small, large)
+
+
 BAD = '''
 import torch
 from staged_engine import _cpu
@@ -657,6 +667,8 @@ cases = {
                                            torch.zeros(1, 2, H, 16, C // H), 0, 2),
     "nbytes must be": lambda: _cpu.read_seconds(100, 1),
     "repeats must be in": lambda: _cpu.read_seconds(1 << 16, 0),
+    "nbytes must be in [4096": lambda: _cpu.widen_seconds(4095, 1),
+    "repeats must be in [1, ": lambda: _cpu.widen_seconds(1 << 16, 0),
     "rows must be": lambda: _cpu.linear_seconds(torch.zeros(4, 3), 0, 1),
     "repeats must be": lambda: _cpu.linear_seconds(torch.zeros(4, 3), 1, 0),
     "weight must be 2-D": lambda: _cpu.linear_seconds(torch.zeros(4), 1, 1),
@@ -676,7 +688,7 @@ for name, call in cases.items():
 def test_bad_arguments_raise_value_error_in_a_subprocess():
     out = subprocess.run([sys.executable, "-c", BAD], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("ok") == 24
+    assert out.stdout.count("ok") == 26
 
 
 def test_a_dtype_the_native_path_does_not_run_falls_back_with_one_warning(checkpoints):
