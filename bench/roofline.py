@@ -16,8 +16,9 @@ fp16 weights, or ``--models DIR ...``):
   bandwidth bound and the **compute bound** (2 x weights x N FLOP at the fp32 GEMM rate torch's
   BLAS reaches here on a 1024^3 product); for models packed float16, also against the
   **widening bound** (their packed bytes at the rate this CPU widens float16 to float32 alone,
-  ``_cpu.widen_seconds``) plus the compute bound: where the widening takes the FMAs' pipes (the
-  AVX2 Zen 1) the two add up;
+  ``_cpu.widen_seconds``) plus the compute bound: what the pass costs where the widening and the
+  FMAs take turns on the same pipes (on the AVX2 Zen 1 they mostly do; a ratio under 1 shows
+  them overlapping);
 - plain decoding tokens/s through the Engine against HF transformers ``generate`` (greedy, fp32)
   and against **llama.cpp** (``llama-bench -p 0 -n 128``) on the same checkpoint converted to
   GGUF at the same precision (f16 when the weights are fp16-exact), same thread count. llama.cpp is
