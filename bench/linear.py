@@ -15,9 +15,9 @@ GPT-2 small, at 1-64 rows, in the same run as
 - torch's ``x @ W.T`` in fp32 at the same shapes;
 - the same kernel on fp32-packed weights (twice the bytes, no widening), where they fit;
 - the **widening bound**: the packed fp16 bytes at the rate this CPU widens float16 to float32
-  with nothing else to do (``_cpu.widen_seconds``, the best of three). Where the fp16 kernel's
-  lead over the fp32-packed one at 6 rows (the same FMAs) is about this bound, the widening does
-  not overlap the FMAs: it takes their pipes, and a pass pays both.
+  with nothing else to do (``_cpu.widen_seconds``, the best of three). Where the time the fp16
+  kernel takes beyond the fp32-packed one at 6 rows (the same FMAs) is about this bound, the
+  widening does not overlap the FMAs: it takes their pipes, and a pass pays both.
 
 Within one register block (1-6 rows) it fits t(N) = a + b N by least squares: ``a`` is what a
 pass pays whatever its rows (streaming and widening the weights), ``b`` what each row adds
