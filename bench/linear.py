@@ -145,8 +145,8 @@ def table(result: dict) -> str:
         f32 = (f"{r1['fp32_packed_us']:.0f} | {r6['fp32_packed_us']:.0f}" if "fp32_packed_us" in r1 else " | ")
         wb = s.get("widening_bound_us")
         extra = s.get("fp16_minus_fp32_at_6_over_widening_bound")
-        widen = (f"{wb:.0f} | {s['a_over_widening_bound']:.2f} | " + (f"{extra:.2f}" if extra is not None else "")
-                 if wb else "n/a | | ")
+        widen = " | ".join([f"{wb:.0f}", f"{s['a_over_widening_bound']:.2f}", f"{extra:.2f}" if extra is not None else ""]
+                           if wb else ["n/a", "", ""])
         lines.append(f"| {name} | {s['fit_us']['a']:.0f} | {s['a_over_bandwidth_bound']:.2f} | {s['fit_us']['b']:.1f} | "
                      f"{s['b_over_compute_per_row']:.2f} | {r1['torch_fp32_us']:.0f} | {r6['torch_fp32_us']:.0f} | {f32} | "
                      f"{widen} |")

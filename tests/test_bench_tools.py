@@ -143,6 +143,62 @@ def test_the_idle_gap_table_reports_each_gap_against_the_first():
     assert "| oracle | 600 us (1.00x) | 750 us (1.25x) |" in text and "Test CPU" in text
 
 
+def _roofline_model(ms: float, widening_ms: float | None) -> dict:
+    nodes = {}
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        nodes[str(n)] = {"ratio_to_bound": 1.0 + n / 100}
+        if widening_ms:
+            nodes[str(n)]["ratio_to_widening_plus_compute"] = 0.5 + n / 100
+    return {"params": 8.7e6, "weight_bytes": 16.8e6, "weights": "float16", "read_bandwidth_at_weight_size_GBps": 22.0,
+            "ms_per_token": ms, "bound_ms": 0.769, "share_of_bound": 0.769 / ms, "share_of_bound_paired": 0.9,
+            "share_of_dram_bound": 0.87, "widening_bound_ms": widening_ms, "nodes": nodes}
+
+
+def test_the_roofline_table_shows_the_widening_bound_of_fp16_packed_models_only():
+    sys.path.insert(0, BENCH)  # roofline imports bench/common.py
+    try:
+        roofline = _bench_module("roofline")
+    finally:
+        sys.path.remove(BENCH)
+    result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx2"]}, "threads": 2, "rounds": 5,
+              "dram_read_GBps": 21.1, "gemm_GFLOPs": 68.0, "widening_GBps": 26.9,
+              "models": {"oracle": _roofline_model(0.911, 0.625), "draft": _roofline_model(0.076, None)}}
+    text = roofline.table(result)
+    assert "float16 widened to float32 at 26.9 GB/s" in text
+    assert "| 87% | 0.625 |" in text and "| 87% | none (fp32) |" in text
+    widened = text.split("widening bound + compute bound")[1]
+    assert "| oracle | 0.51 | 0.52 |" in widened and "| draft |" not in widened
+    # without the extension: no rate, no widening bound, no second table
+    result["widening_GBps"] = None
+    result["models"]["oracle"] = _roofline_model(0.911, None)
+    text = roofline.table(result)
+    assert "widened" not in text and "widening bound + compute" not in text
+
+
+def test_the_linear_table_shows_what_widening_adds_to_fp32_packing():
+    sys.path.insert(0, BENCH)
+    try:
+        linear = _bench_module("linear")
+    finally:
+        sys.path.remove(BENCH)
+    rows = {str(n): {"fp16_us": 100.0 + 10 * n, "fp16_over_bound": 1.5, "torch_fp32_us": 300.0,
+                     "fp32_packed_us": 80.0 + 10 * n} for n in linear.ROWS}
+    shape = {"params": 0.9e6, "packed_bytes": 1.8e6, "read_bandwidth_GBps": 100.0, "rows": rows,
+             "fit_us": {"a": 54.0, "b": 25.2}, "a_over_bandwidth_bound": 2.97, "b_over_compute_per_row": 0.9,
+             "widening_bound_us": 69.0, "a_over_widening_bound": 0.78,
+             "fp16_minus_fp32_at_6_over_widening_bound": 20.0 / 69.0}
+    result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx2", "f16c"]}, "threads": 2,
+              "gemm_GFLOPs": 66.0, "widening_GBps": 26.8, "shapes": {"draft": shape}}
+    text = linear.table(result)
+    assert "float16 widened at 26.8 GB/s" in text
+    assert "| 140 | 69 | 0.78 | 0.29 |" in text
+    result["widening_GBps"] = None
+    shape = {k: v for k, v in shape.items() if "widening" not in k}
+    result["shapes"]["draft"] = shape
+    text = linear.table(result)
+    assert "widened at" not in text and "| 140 | n/a |  |  |" in text
+
+
 def test_the_readme_results_are_made_from_the_result_files(tmp_path, monkeypatch):
     """README.md's results section is what bench/report.py makes of bench/results/ (a result
     file committed without regenerating it fails here); --check writes nothing and says so."""
