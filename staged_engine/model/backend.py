@@ -73,6 +73,11 @@ class Backend:
         per generation, after ``refresh``."""
         return None
 
+    def wide_rows_model(self, model) -> tuple[Any, int | None]:
+        """A second packed model for passes of many rows (the same bits as ``native_rows``'s) and
+        the row count from which passes take it, or (None, None)."""
+        return None, None
+
     def forward_model(self, model, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, writes: list[int], starts: list[int], m: int,
                       tree_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor | None:
@@ -123,6 +128,8 @@ class _Packed(NamedTuple):
     native: Any
     tensors: list
     head_rows: int | None
+    wide: Any = None  # the float32 packing of a float16-packed model, for passes of many rows
+    wide_from: int | None = None  # the row count from which passes take it
 
 
 class TorchBackend(Backend):
@@ -136,7 +143,12 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, native: bool | None = None, wide_weights: bool | None = None) -> None:
+    def __init__(self, native: bool | None = None, wide_weights: bool | None = None,
+                 wide_rows: int | None = 0) -> None:
+        if wide_rows is not None and (isinstance(wide_rows, bool) or not isinstance(wide_rows, int)
+                                      or wide_rows < 0 or wide_rows == 1):
+            raise ValueError(f"wide_rows must be None (never), 0 (measured at load) or a row count >= 2, got "
+                             f"{wide_rows!r} (wide_weights=True packs float32 for every pass)")
         if native and _cpu is None:
             raise ValueError("native=True needs the staged_engine._cpu extension "
                              "(pip install --no-build-isolation -e .)")
@@ -149,6 +161,14 @@ class TorchBackend(Backend):
         # Float16-valued weights packed as float32 (True), as float16 (False), or whichever runs a
         # one-row pass faster here (None: ``_pack``). The bits out of a pass are the same.
         self.wide_weights = wide_weights
+        # Passes over at least this many rows of a model packed float16 run on a second, float32
+        # packing of the same values (the same bits): twice the bytes, no widening, which on a
+        # core whose widening takes the FMAs' pipes is faster once the rows' FMAs outweigh the
+        # stream (the demo oracle on an AVX2 Zen 1: 0.80-0.89x the time at 6-64 rows, 1.29x at
+        # 3). None: never; 0 (the default): from the row count it measures faster from at load
+        # (``wide_crossover``), where the float32 copy takes at most ``wide_memory_cap()``;
+        # n >= 2: from n rows, always.
+        self.wide_rows = wide_rows
         self.packing: dict[int, dict] = {}  # by id(model): how its weights were packed, and why
         self._natives: dict[int, _Packed] = {}  # by id(model)
         self._warned_dtype = False
@@ -206,8 +226,20 @@ class TorchBackend(Backend):
         # non-temporally, they leave it to what it can hold (``NativeGPT2.set_streaming``).
         native.set_streaming(bool(llc) and native.weight_bytes > llc)
         how["streaming"] = native.streaming
+        wide, wide_from = None, None
+        if native.half and self.wide_rows is not None and (self.wide_rows or 2 * native.weight_bytes <= wide_memory_cap()):
+            wide = make(False)
+            wide.set_streaming(bool(llc) and wide.weight_bytes > llc)
+            if self.wide_rows:
+                wide_from = self.wide_rows
+            else:
+                wide_from, how["float32_over_float16_by_rows"] = wide_crossover(wide, native, cfg)
+            if wide_from is None:
+                wide = None
+            how["float32_from_rows"] = wide_from
         self.packing[id(model)] = how
-        entry = _Packed(model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors, model.head_rows)
+        entry = _Packed(model, model._layer_tensors(), sum(map(_VERSION, tensors)), native, tensors, model.head_rows,
+                        wide, wide_from)
         self._natives[id(model)] = entry
         return entry
 
@@ -223,6 +255,14 @@ class TorchBackend(Backend):
             return self.native_model(model)
         return None
 
+    def wide_rows_model(self, model):
+        """(the float32 packing of ``model``, the row count from which passes take it), or
+        (None, None) where passes of every size take ``native_rows(model)`` (see ``wide_rows``)."""
+        if self.native_rows(model) is None:
+            return None, None
+        entry = self._natives[id(model)]
+        return entry.wide, entry.wide_from
+
     def forward_model(self, model, tokens, positions, k, v, writes, starts, m, tree_mask, last_only):
         b, n = tokens.shape
         if not (self.native and b * n <= NATIVE_MAX_ROWS and k.device.type == "cpu"):
@@ -235,7 +275,11 @@ class TorchBackend(Backend):
                               stacklevel=2)
             return None
         mask = tree_mask.contiguous() if tree_mask is not None else None
-        return self.native_model(model).forward(tokens, positions, k, v, writes, starts, m, mask, last_only)
+        native = self.native_model(model)
+        wide, wide_from = self.wide_rows_model(model)
+        if wide is not None and b * n >= wide_from:
+            native = wide
+        return native.forward(tokens, positions, k, v, writes, starts, m, mask, last_only)
 
     def top_children(self, scores, k):
         if self.native and scores.dtype == torch.float32 and scores.device.type == "cpu" and scores.dim() == 2 \
@@ -400,6 +444,58 @@ def compare_packings(a, b, cfg, rounds: int = 9, passes: int = 4, context: int =
             ratios.append(seconds[1] / seconds[0] if r % 2 == 0 else seconds[0] / seconds[1])
     ratios.sort()
     return ratios[len(ratios) // 2]
+
+
+WIDE_LADDER = (2, 3, 4, 6, 8, 12, 16, 32, 64)  # row counts ``wide_crossover`` times, in order
+
+
+def wide_crossover(wide, narrow, cfg, rows=WIDE_LADDER, rounds: int = 3, context: int = 32,
+                   budget: float = 2.0) -> tuple[int | None, dict[str, float]]:
+    """The first row count of ``rows`` at which a pass of ``wide`` ran faster than one of
+    ``narrow`` by more than WIDE_MARGIN, and so did the next count's (the last count alone), or
+    None if none did before ``budget`` seconds of measuring ran out; and each measured count's
+    median ratio of seconds, over ``rounds`` alternating rounds after a warm-up, on a scratch
+    cache of ``context`` entries. Counts go up, so a model whose wide passes win early stops early
+    (the demo oracle on the Zen 1: its float32 packing and this took 0.21 s)."""
+    import time
+
+    context = min(context, cfg.n_positions // 2)
+    rows = [n for n in rows if context + n <= cfg.n_positions]
+    ratios: dict[str, float] = {}
+    if not rows:
+        return None, ratios
+    shape = (cfg.n_layer, 1, cfg.n_head, context + max(rows), cfg.n_embd // cfg.n_head)
+    k, v = torch.zeros(shape), torch.zeros(shape)
+    began = time.perf_counter()
+    won = None  # the previous count, where it won
+    for n in rows:
+        ids, pos = [i % cfg.vocab_size for i in range(n)], list(range(context, context + n))
+        got = []
+        for r in range(rounds + 1):
+            seconds = {}
+            for model in (wide, narrow) if r % 2 else (narrow, wide):
+                t0 = time.perf_counter()
+                model.forward_ids(ids, pos, k, v, context, n, None, False)
+                seconds[id(model)] = time.perf_counter() - t0
+            if r:
+                got.append(seconds[id(wide)] / seconds[id(narrow)])
+        ratios[str(n)] = sorted(got)[len(got) // 2]
+        wins = ratios[str(n)] < 1.0 - WIDE_MARGIN
+        if wins and (won is not None or n == rows[-1]):
+            return (won if won is not None else n), ratios
+        won = n if wins else None
+        if time.perf_counter() - began > budget:
+            break
+    return None, ratios
+
+
+def wide_memory_cap() -> int:
+    """Bytes a second, float32 packing of a model may take: an eighth of physical memory (0 when
+    the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def make_backend(name: str, device: torch.device) -> Backend:

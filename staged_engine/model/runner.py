@@ -28,6 +28,7 @@ class ModelRunner:
         self.forward_seconds = 0.0
         self.nodes = 0
         self._native = None  # set by reset()
+        self._wide, self._wide_from = None, None  # passes of many rows: a float32 packing (reset())
 
     @property
     def length(self) -> int:
@@ -44,6 +45,8 @@ class ModelRunner:
         # Passes of one cache row and few nodes skip the module call and the id tensors (about
         # 30 us a pass, as much as a small draft's whole forward): one native call from lists.
         self._native = self.backend.native_rows(self.model) if self.cache.batch == 1 else None
+        self._wide, self._wide_from = self.backend.wide_rows_model(self.model) if self._native is not None \
+            else (None, None)
         self.calls = 0
         self.forward_seconds = 0.0
         self.nodes = 0
@@ -106,6 +109,8 @@ class ModelRunner:
         n = len(tokens)
         if native is None or n > NATIVE_MAX_ROWS:
             return None
+        if self._wide is not None and n >= self._wide_from:
+            native = self._wide
         cache = self.cache
         t0 = time.perf_counter()
         _, starts, m = cache.append(n, tree_mask)

@@ -119,6 +119,10 @@ def profile_key(model, backend) -> dict:
     return {"schema": SCHEMA, "model": model_fingerprint(model), "backend": backend.name,
             "native": native, **(native_build() if native else {}),
             **({"packed_half": packed.half, "streaming": packed.streaming} if packed is not None else {}),
+            # whether passes of many rows may take a float32 packing (TorchBackend.wide_rows); not
+            # the row count they take it from, which is measured at load and moves a little from
+            # load to load (a second load must find its profile)
+            **({"wide_rows": backend.wide_rows} if packed is not None and hasattr(backend, "wide_rows") else {}),
             **cpu_identity(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "staged_engine": _version(),
             "python": platform.python_version()}

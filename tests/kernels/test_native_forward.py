@@ -482,6 +482,133 @@ def test_packing_comparison_reads_the_clock_both_ways(checkpoints):
     assert compare_packings(Slow(), native, model.config, rounds=3) > 2.0
 
 
+class _Counting:
+    """A packed model that records the rows of every pass it runs."""
+
+    def __init__(self, native, calls: list[int]) -> None:
+        self.native, self.calls = native, calls
+
+    def forward_ids(self, tokens, *args):
+        self.calls.append(len(tokens))
+        return self.native.forward_ids(tokens, *args)
+
+    def forward(self, tokens, *args):
+        self.calls.append(tokens.numel())
+        return self.native.forward(tokens, *args)
+
+
+@pytest.mark.parametrize("from_lists", [False, True])
+def test_passes_of_many_rows_take_the_float32_packing_with_the_same_bits(streams, from_lists):
+    """From ``wide_rows`` rows on, passes of a float16-packed model run on its float32 packing
+    (one native call from lists after ``reset``; the tensor call without): the prompt's prefill,
+    a 7-row chain and a 3-node tree go there, one-token steps stay on float16, and every logit
+    and K/V entry has the bits of the float16 packing alone."""
+    model = load_model(streams)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    g = torch.Generator().manual_seed(10)
+    prompt = torch.randint(0, 8192, (9,), generator=g).tolist()
+    new = torch.randint(0, 8192, (12,), generator=g).tolist()
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    out = {}
+    for wide_rows in (None, 3):
+        backend = TorchBackend(native=True, wide_weights=False, wide_rows=wide_rows)
+        assert backend.native_model(model).half
+        calls: list[int] = []
+        if wide_rows:
+            entry = backend._natives[id(model)]
+            assert not entry.wide.half and entry.wide_from == 3
+            assert backend.packing[id(model)]["float32_from_rows"] == 3
+            backend._natives[id(model)] = entry._replace(wide=_Counting(entry.wide, calls))
+        else:
+            assert backend.wide_rows_model(model) == (None, None)
+        with torch.inference_mode():
+            runner = ModelRunner(model, backend)
+            chain = ModelRunner(model, backend)
+            if from_lists:
+                runner.reset()
+                chain.reset()
+            runner.prefill(prompt)
+            seq = torch.stack([runner.step(t) for t in new])
+            chain.prefill(prompt)
+            rows = chain.forward_nodes(new[:7], list(range(9, 16)), None)
+            chain.discard()
+            nodes = chain.forward_nodes(new[:3], [9, 10, 10], tree)
+        n = len(prompt) + len(new)
+        out[wide_rows] = (seq, rows, nodes, runner.cache.k[:, :, :, :n].clone(), runner.cache.v[:, :, :, :n].clone(),
+                          chain.cache.k[:, :, :, :12].clone())
+        if wide_rows:
+            assert calls == [9, 9, 7, 3]
+    for a, b in zip(out[None], out[3]):
+        assert torch.equal(a, b)
+
+
+def test_the_float32_packing_for_many_rows_is_kept_where_it_measures_faster(checkpoints, monkeypatch):
+    """By default (``wide_rows=0``) a float16-packed model gets a float32 packing for passes from
+    the row count ``wide_crossover`` measures it faster from, recorded; none where it never
+    wins, where the copy would pass ``wide_memory_cap``, or with ``wide_rows=None``."""
+    import staged_engine.model.backend as backend_mod
+
+    model = load_model(checkpoints["odd96"])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    seen = []
+
+    def crossover(wide, narrow, cfg):
+        seen.append((wide.half, narrow.half))
+        return found, {"2": 1.2, "4": 0.8}
+
+    monkeypatch.setattr(backend_mod, "wide_crossover", crossover)
+    found = 4
+    backend = TorchBackend(native=True, wide_weights=False)
+    wide, start = backend.wide_rows_model(model)
+    assert start == 4 and not wide.half and seen == [(False, True)]
+    assert backend.packing[id(model)]["float32_from_rows"] == 4
+    assert backend.packing[id(model)]["float32_over_float16_by_rows"] == {"2": 1.2, "4": 0.8}
+    found = None
+    backend = TorchBackend(native=True, wide_weights=False)
+    assert backend.wide_rows_model(model) == (None, None)
+    assert backend.packing[id(model)]["float32_from_rows"] is None
+    found = 2
+    monkeypatch.setattr(backend_mod, "wide_memory_cap", lambda: 1024)
+    assert TorchBackend(native=True, wide_weights=False).wide_rows_model(model) == (None, None)
+    assert TorchBackend(native=True, wide_weights=False, wide_rows=5).wide_rows_model(model)[1] == 5  # pinned
+    monkeypatch.setattr(backend_mod, "wide_memory_cap", lambda: 1 << 40)
+    assert TorchBackend(native=True, wide_weights=False, wide_rows=None).wide_rows_model(model) == (None, None)
+    assert len(seen) == 2  # never measured when capped, pinned or off
+
+
+def test_the_crossover_reads_the_clock_from_few_rows_up(checkpoints):
+    """``wide_crossover(a, b)``: the first row count from which a's passes beat b's twice running
+    (a pass that sleeps 2 ms against one that does not), None when they never do, and counts past
+    the context window are not tried."""
+    import time
+
+    from staged_engine.model.backend import WIDE_LADDER, wide_crossover
+
+    model = load_model(checkpoints["odd96"])
+    native = TorchBackend(native=True, wide_weights=False).native_model(model)
+
+    class Slow:
+        def forward_ids(self, *args):
+            time.sleep(0.002)
+            return native.forward_ids(*args)
+
+    start, ratios = wide_crossover(native, Slow(), model.config)
+    assert start == WIDE_LADDER[0] and list(ratios) == [str(n) for n in WIDE_LADDER[:2]]
+    start, ratios = wide_crossover(Slow(), native, model.config)
+    tried = [n for n in WIDE_LADDER if min(32, model.config.n_positions // 2) + n <= model.config.n_positions]
+    assert start is None and list(ratios) == [str(n) for n in tried] and all(r > 1 for r in ratios.values())
+
+
+@pytest.mark.parametrize("bad", [1, -1, 2.5, True, "4"])
+def test_wide_rows_refuses_what_is_not_a_row_count(bad):
+    with pytest.raises(ValueError, match="wide_rows must be None"):
+        TorchBackend(native=True, wide_rows=bad)
+
+
 def test_the_block_form_is_probed_once_and_can_be_pinned():
     """``narrow_rows`` is the probe's choice (0-2; 0 on 256-bit builds, which have no wider
     form); ``set_narrow_rows`` pins 0-2, returns to the probe with -1, and refuses the rest."""
