@@ -32,6 +32,7 @@ Writes bench/results/roofline.json and bench/results/plots/roofline.png.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -91,6 +92,30 @@ def widening_rate(nbytes: int = 8 << 20, repeats: int = 7) -> float | None:
         return None
     seconds = _cpu.widen_seconds(nbytes, repeats + 1)[1:]
     return nbytes // 2 * 2 / statistics.median(seconds)
+
+
+def widening_reference(n: int, compute: float, bound_bw: float, bound_widen: float,
+                       float32_from: int | None) -> float:
+    """Seconds an ``n``-node pass of a float16-packed model costs where the widening and the FMAs
+    take turns: its widening bound plus its compute bound (at least its bandwidth bound); from
+    ``float32_from`` rows on, where the pass reads the model's float32 packing instead
+    (``TorchBackend.wide_rows``), twice the stream and no widening: the larger of twice the
+    bandwidth bound and the compute bound."""
+    if float32_from is not None and n >= float32_from:
+        return max(2 * bound_bw, compute)
+    return max(bound_widen + compute, bound_bw)
+
+
+def derive_widening_ratios(row: dict) -> None:
+    """Each N-node pass of ``row`` (a model's result) over ``widening_reference``, from the row's
+    own measurements (nothing for a model packed float32)."""
+    if not row.get("widening_bound_ms"):
+        return
+    float32_from = (row.get("packing") or {}).get("float32_from_rows")
+    row["float32_from_rows"] = float32_from
+    for n, node in row["nodes"].items():
+        node["ratio_to_widening_plus_compute"] = node["seconds"] / widening_reference(
+            int(n), node["compute_bound_s"], node["bandwidth_bound_s"], row["widening_bound_ms"] / 1e3, float32_from)
 
 
 def gpt2_small_checkpoint(tokenizer_from: str) -> str:
@@ -240,8 +265,6 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
         compute = flop_per_node * n / rate
         nodes[str(n)] = {"seconds": t, "compute_bound_s": compute, "bandwidth_bound_s": bound_bw,
                          "ratio_to_bound": t / max(compute, bound_bw)}
-        if bound_widen:
-            nodes[str(n)]["ratio_to_widening_plus_compute"] = t / max(bound_widen + compute, bound_bw)
     # Each round's decode against the bound its own bandwidth probe, run just before, set: the
     # machine's state is the same for both (on a shared VM the DRAM read rate moves between
     # rounds by up to 1.6x, and the best probe of one round against the median decode of others
@@ -257,6 +280,7 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
            "bound_ms": bound_bw * 1e3, "share_of_bound": bound_bw / ms,
            "dram_bound_ms": bound_dram * 1e3, "share_of_dram_bound": bound_dram / ms, "nodes": nodes,
            "widening_bound_ms": bound_widen * 1e3 if bound_widen else None}
+    derive_widening_ratios(row)
     if not args.no_hf:
         row["engine_tokens_per_s"] = med(r["engine"] for r in raw)
         row["hf_tokens_per_s"] = med(r["hf"] for r in raw)
@@ -312,11 +336,14 @@ def table(result: dict) -> str:
     widened = {name: r for name, r in result["models"].items() if r.get("widening_bound_ms")}
     if widened:  # where the widening competes with the FMAs for the same pipes, their times add
         lines += ["", "The same passes of fp16-packed models over max(bandwidth bound, widening bound + compute "
-                  "bound):", "", "| model | " + " | ".join(f"N={n}" for n in NODES) + " |",
-                  "|---|" + "---|" * len(NODES)]
+                  "bound); marked *, passes from the row count at which the model takes its float32 packing, over "
+                  "max(twice the bandwidth bound, compute bound):", "",
+                  "| model | " + " | ".join(f"N={n}" for n in NODES) + " |", "|---|" + "---|" * len(NODES)]
         for name, r in widened.items():
+            start = r.get("float32_from_rows")
             lines.append(f"| {name} | " + " | ".join(
-                f"{r['nodes'][str(n)]['ratio_to_widening_plus_compute']:.2f}" for n in NODES) + " |")
+                f"{r['nodes'][str(n)]['ratio_to_widening_plus_compute']:.2f}" + ("*" if start and n >= start else "")
+                for n in NODES) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -366,7 +393,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds of every measurement; figures are medians over them (default 3)")
     ap.add_argument("--out", default="roofline.json")
+    ap.add_argument("--render", action="store_true",
+                    help="measure nothing: re-derive the ratios, table and plot of the saved --out result from its "
+                         "own measurements (after a change to how they are derived)")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.out)) as f:
+            result = json.load(f)
+        for row in result["models"].values():
+            derive_widening_ratios(row)
+        publish(result, table(result), args.out)
+        plot(result, plot_path(args.out, "roofline.json", "roofline"))
+        return 0
     if args.threads < 1 or args.rounds < 1:
         raise ValueError(f"--threads and --rounds must be >= 1, got {args.threads} and {args.rounds}")
     torch.set_num_threads(args.threads)

@@ -168,11 +168,35 @@ def test_the_roofline_table_shows_the_widening_bound_of_fp16_packed_models_only(
     assert "| 87% | 0.625 |" in text and "| 87% | none (fp32) |" in text
     widened = text.split("widening bound + compute bound")[1]
     assert "| oracle | 0.51 | 0.52 |" in widened and "| draft |" not in widened
+    # passes from the row count the model takes its float32 packing at are marked
+    result["models"]["oracle"]["float32_from_rows"] = 8
+    marked = roofline.table(result).split("widening bound + compute bound")[1]
+    assert "| oracle | 0.51 | 0.52 | 0.54 | 0.58* | 0.66* | 0.82* | 1.14* |" in marked
     # without the extension: no rate, no widening bound, no second table
     result["widening_GBps"] = None
     result["models"]["oracle"] = _roofline_model(0.911, None)
     text = roofline.table(result)
     assert "widened" not in text and "widening bound + compute" not in text
+
+
+def test_passes_on_the_float32_packing_are_held_to_its_stream_not_the_widening():
+    sys.path.insert(0, BENCH)
+    try:
+        roofline = _bench_module("roofline")
+    finally:
+        sys.path.remove(BENCH)
+    ref = roofline.widening_reference
+    assert ref(4, compute=0.3, bound_bw=0.5, bound_widen=0.6, float32_from=8) == 0.6 + 0.3
+    assert ref(4, compute=0.3, bound_bw=1.5, bound_widen=0.6, float32_from=None) == 1.5
+    assert ref(8, compute=0.3, bound_bw=0.5, bound_widen=0.6, float32_from=8) == 1.0  # twice the stream
+    assert ref(64, compute=4.0, bound_bw=0.5, bound_widen=0.6, float32_from=8) == 4.0
+    row = {"widening_bound_ms": 600.0, "packing": {"float32_from_rows": 8},
+           "nodes": {"4": {"seconds": 1.8, "compute_bound_s": 0.3, "bandwidth_bound_s": 0.5},
+                     "8": {"seconds": 1.5, "compute_bound_s": 0.6, "bandwidth_bound_s": 0.5}}}
+    roofline.derive_widening_ratios(row)
+    assert row["float32_from_rows"] == 8
+    assert row["nodes"]["4"]["ratio_to_widening_plus_compute"] == pytest.approx(1.8 / 0.9)
+    assert row["nodes"]["8"]["ratio_to_widening_plus_compute"] == pytest.approx(1.5 / 1.0)
 
 
 def test_the_linear_table_shows_what_widening_adds_to_fp32_packing():
