@@ -424,26 +424,39 @@ def last_level_cache_bytes() -> int:
     return best
 
 
+def _pass_ratios(a, b, run, rounds: int) -> list[float]:
+    """a's seconds over b's for ``run(model)`` (one timed unit of passes), ``rounds`` rounds after
+    a warm-up, the two in alternating order."""
+    import time
+
+    ratios = []
+    for r in range(rounds + 1):
+        seconds = {}
+        for model in (a, b) if r % 2 else (b, a):
+            t0 = time.perf_counter()
+            run(model)
+            seconds[id(model)] = time.perf_counter() - t0
+        if r:
+            ratios.append(seconds[id(a)] / seconds[id(b)])
+    return ratios
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
 def compare_packings(a, b, cfg, rounds: int = 9, passes: int = 4, context: int = 32) -> float:
     """Median over ``rounds`` of the seconds of a one-row pass of packed model ``a`` over those
     of ``b`` (``_cpu.NativeGPT2``s of one model), ``passes`` of each in turn per round, after
     ``context`` cached entries of a scratch cache, the first round a warm-up."""
-    import time
-
     shape = (cfg.n_layer, 1, cfg.n_head, context + 1, cfg.n_embd // cfg.n_head)
     k, v = torch.zeros(shape), torch.zeros(shape)
-    ratios = []
-    for r in range(rounds + 1):
-        seconds = []
-        for model in (a, b) if r % 2 else (b, a):
-            t0 = time.perf_counter()
-            for i in range(passes):
-                model.forward_ids([i], [context], k, v, context, 1, None, False)
-            seconds.append(time.perf_counter() - t0)
-        if r:
-            ratios.append(seconds[1] / seconds[0] if r % 2 == 0 else seconds[0] / seconds[1])
-    ratios.sort()
-    return ratios[len(ratios) // 2]
+
+    def run(model):
+        for i in range(passes):
+            model.forward_ids([i], [context], k, v, context, 1, None, False)
+
+    return _median(_pass_ratios(a, b, run, rounds))
 
 
 WIDE_LADDER = (2, 3, 4, 6, 8, 12, 16, 32, 64)  # row counts ``wide_crossover`` times, in order
@@ -470,16 +483,8 @@ def wide_crossover(wide, narrow, cfg, rows=WIDE_LADDER, rounds: int = 3, context
     won = None  # the previous count, where it won
     for n in rows:
         ids, pos = [i % cfg.vocab_size for i in range(n)], list(range(context, context + n))
-        got = []
-        for r in range(rounds + 1):
-            seconds = {}
-            for model in (wide, narrow) if r % 2 else (narrow, wide):
-                t0 = time.perf_counter()
-                model.forward_ids(ids, pos, k, v, context, n, None, False)
-                seconds[id(model)] = time.perf_counter() - t0
-            if r:
-                got.append(seconds[id(wide)] / seconds[id(narrow)])
-        ratios[str(n)] = sorted(got)[len(got) // 2]
+        ratios[str(n)] = _median(_pass_ratios(
+            wide, narrow, lambda model: model.forward_ids(ids, pos, k, v, context, n, None, False), rounds))
         wins = ratios[str(n)] < 1.0 - WIDE_MARGIN
         if wins and (won is not None or n == rows[-1]):
             return (won if won is not None else n), ratios
