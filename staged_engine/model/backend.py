@@ -462,14 +462,20 @@ def compare_packings(a, b, cfg, rounds: int = 9, passes: int = 4, context: int =
 WIDE_LADDER = (2, 3, 4, 6, 8, 12, 16, 32, 64)  # row counts ``wide_crossover`` times, in order
 
 
-def wide_crossover(wide, narrow, cfg, rows=WIDE_LADDER, rounds: int = 3, context: int = 32,
+def wide_crossover(wide, narrow, cfg, rows=WIDE_LADDER, rounds: int = 8, context: int = 32,
                    budget: float = 2.0) -> tuple[int | None, dict[str, float]]:
     """The first row count of ``rows`` at which a pass of ``wide`` ran faster than one of
     ``narrow`` by more than WIDE_MARGIN, and so did the next count's (the last count alone), or
     None if none did before ``budget`` seconds of measuring ran out; and each measured count's
     median ratio of seconds, over ``rounds`` alternating rounds after a warm-up, on a scratch
     cache of ``context`` entries. Counts go up, so a model whose wide passes win early stops early
-    (the demo oracle on the Zen 1: its float32 packing and this took 0.21 s)."""
+    (the demo oracle on the Zen 1: about 0.2 s).
+
+    ``rounds`` is even so that each model runs first in half of them: which one goes first moves
+    a pass's time. With 3 rounds (two with ``wide`` first) the demo oracle on the Zen 1 was given
+    the float32 packing from 4 rows at 4 of 8 loads in one sitting, where 15 rounds measure it
+    1.15-1.21x the time of float16's; with 8, at none of 24 loads in two (6, 8 or 12 rows, where
+    it measures 0.90-0.95x)."""
     import time
 
     context = min(context, cfg.n_positions // 2)

@@ -603,6 +603,29 @@ def test_the_crossover_reads_the_clock_from_few_rows_up(checkpoints):
     assert start is None and list(ratios) == [str(n) for n in tried] and all(r > 1 for r in ratios.values())
 
 
+def test_the_crossover_is_not_swayed_by_which_packing_runs_first(checkpoints):
+    """Two packings of equal speed, where the pass run second in a round is 2 ms slower (as a
+    pass after another packing's can be): each runs second in half the rounds, so neither is
+    found faster (with an odd count of rounds one of them would be)."""
+    import time
+
+    from staged_engine.model.backend import wide_crossover
+
+    model = load_model(checkpoints["odd96"])
+    native = TorchBackend(native=True, wide_weights=False).native_model(model)
+    last = []
+
+    class Timed:
+        def forward_ids(self, *args):
+            if last and last[-1] is not self:
+                time.sleep(0.002)
+            last.append(self)
+            return native.forward_ids(*args)
+
+    start, ratios = wide_crossover(Timed(), Timed(), model.config)
+    assert start is None and ratios and all(r > 1 for r in ratios.values())
+
+
 @pytest.mark.parametrize("bad", [1, -1, 2.5, True, "4"])
 def test_wide_rows_refuses_what_is_not_a_row_count(bad):
     with pytest.raises(ValueError, match="wide_rows must be None"):
