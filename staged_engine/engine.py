@@ -282,8 +282,10 @@ class Engine:
         return runner
 
     def memory(self) -> dict:
-        """Bytes of the shared weights, of one generation state (the KV caches of every model),
-        and in total with the states allocated so far (at most ``pool_size``)."""
+        """Bytes of the shared weights, of the backend's packings of them built so far (the
+        native path's float16 or float32 copy, and the float32 one for passes of many rows), of
+        one generation state (the KV caches of every model), and in total with the states
+        allocated so far (at most ``pool_size``)."""
         def cache_bytes(m: GPT2 | None) -> int:
             if m is None:
                 return 0
@@ -292,9 +294,11 @@ class Engine:
 
         weights = sum(sum(p.numel() * p.element_size() for p in m.parameters())
                       for m in (self.oracle, self.draft, self.draft2) if m is not None)
+        packed = sum(self.backend.packed_bytes(m) for m in (self.oracle, self.draft, self.draft2) if m is not None)
         per_state = sum(cache_bytes(m) for m in (self.oracle, self.draft, self.draft2))
-        return {"weights": weights, "per_state": per_state, "pool_size": self._pool.size,
-                "states_allocated": self._pool.states(), "total": weights + per_state * self._pool.states()}
+        return {"weights": weights, "packed": packed, "per_state": per_state, "pool_size": self._pool.size,
+                "states_allocated": self._pool.states(),
+                "total": weights + packed + per_state * self._pool.states()}
 
     def cost_profile(self, which: str = "oracle", force: bool = False) -> CostProfile:
         """The measured forward cost of ``which`` ("oracle", "draft" or "draft2") on this

@@ -98,7 +98,14 @@ def test_exhausted_pool_waits_then_names_the_limit(engine, tmp_path):
     assert eng.generate(PROMPTS[1], max_new_tokens=4, strategy="plain").token_ids
     mem = eng.memory()
     assert mem["states_allocated"] == 1 and mem["per_state"] > 0
-    assert mem["total"] == mem["weights"] + mem["per_state"]
+    assert mem["total"] == mem["weights"] + mem["packed"] + mem["per_state"]
+    # The native path's packing of the oracle's products (float32 here: random weights), counted
+    # from the model's own matrices: each at least once, padding at most a quarter more.
+    products = 4 * sum(p.numel() for n, p in eng.oracle.named_parameters() if p.dim() == 2 and "wpe" not in n)
+    if eng.backend.native_rows(eng.oracle) is None:
+        assert mem["packed"] == 0
+    else:
+        assert products <= mem["packed"] <= 1.25 * products
     with pytest.raises(ValueError, match="pool_size"):
         Engine(engine.oracle, pool_size=0)
 

@@ -78,6 +78,11 @@ class Backend:
         the row count from which passes take it, or (None, None)."""
         return None, None
 
+    def packed_bytes(self, model) -> int:
+        """Bytes of the packings of ``model``'s weights this backend has built so far (beside the
+        model's own tensors), 0 where it keeps none."""
+        return 0
+
     def forward_model(self, model, tokens: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, writes: list[int], starts: list[int], m: int,
                       tree_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor | None:
@@ -262,6 +267,12 @@ class TorchBackend(Backend):
             return None, None
         entry = self._natives[id(model)]
         return entry.wide, entry.wide_from
+
+    def packed_bytes(self, model):
+        entry = self._natives.get(id(model))
+        if entry is None or entry.model is not model:
+            return 0
+        return entry.native.weight_bytes + (entry.wide.weight_bytes if entry.wide is not None else 0)
 
     def forward_model(self, model, tokens, positions, k, v, writes, starts, m, tree_mask, last_only):
         b, n = tokens.shape
