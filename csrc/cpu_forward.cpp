@@ -1641,39 +1641,54 @@ std::tuple<std::vector<double>, bool, int64_t> linear_seconds(const torch::Tenso
   return {seconds, L.half, static_cast<int64_t>(L.bytes())};
 }
 
-// Seconds of each of ``repeats`` reads of a float32 buffer of ``nbytes`` (every thread sums its
-// slice with eight independent vector accumulators, one OpenMP region a read): the read bandwidth
-// a weight stream of that size can reach here, cache-resident when it fits, for the bandwidth
-// bounds of bench/roofline.py and bench/linear.py. (torch's sum, the probe it replaces, read a
-// 1.8 MB buffer at 87 GB/s on a Zen 4 where this one read 163, slower than the decoder's own
-// kernel streamed the draft's weights: a bound its reduction set, not the caches.)
-std::vector<double> read_seconds(int64_t nbytes, int64_t repeats) {
+// The arguments of the probes below.
+static void check_probe_args(int64_t nbytes, int64_t repeats) {
   SE_CHECK(nbytes >= 4096 && nbytes <= (int64_t(16) << 30), "nbytes must be in [4096, 16 GiB], got ", nbytes);
   SE_CHECK(repeats >= 1 && repeats <= 100000, "repeats must be in [1, 100000], got ", repeats);
-  const int64_t unit = 8 * kLanes;
-  const int64_t n = nbytes / 4 / unit * unit;
-  aligned_vector<float> buf(n, 1.f);
+}
+
+// Seconds of each of ``repeats`` runs of ``part(tid, nth)`` on the forward's threads, one OpenMP
+// region a run, as a forward pass runs its products. ``part`` returns what its thread summed:
+// kept, so the compiler keeps the work, and checked to be positive.
+template <class Part>
+static std::vector<double> time_parts(int64_t repeats, const char* what, const Part& part) {
   const int nt = forward_threads();
-  std::vector<float> sink(64 * 16, 0.f);
+  std::vector<float> sink(16 * static_cast<size_t>(nt), 0.f);  // a cache line a thread
   std::vector<double> seconds;
   seconds.reserve(repeats);
   for (int64_t i = 0; i < repeats; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(nt)
     {
-      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-      const int64_t units = n / unit, u0 = units * tid / nth, u1 = units * (tid + 1) / nth;
-      vec acc[8];
-      for (auto& a : acc) a = vzero();
-      for (const float* q = buf.data() + u0 * unit; q < buf.data() + u1 * unit; q += unit)
-        for (int j = 0; j < 8; ++j) acc[j] = vadd(acc[j], vload(q + j * kLanes));
-      for (int j = 1; j < 8; ++j) acc[0] = vadd(acc[0], acc[j]);
-      sink[tid * 16] += vsum(acc[0]);  // keeps the reads
+      const int tid = omp_get_thread_num();
+      sink[tid * 16] += part(tid, omp_get_num_threads());
     }
     seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  SE_CHECK(sink[0] > 0.f, "the read probe summed nothing");
+  SE_CHECK(sink[0] > 0.f, "the ", what, " probe summed nothing");
   return seconds;
+}
+
+// Seconds of each of ``repeats`` reads of a float32 buffer of ``nbytes`` (every thread sums its
+// slice with eight independent vector accumulators): the read bandwidth a weight stream of that
+// size can reach here, cache-resident when it fits, for the bandwidth bounds of
+// bench/roofline.py and bench/linear.py. (torch's sum, the probe it replaces, read a 1.8 MB
+// buffer at 87 GB/s on a Zen 4 where this one read 163, slower than the decoder's own kernel
+// streamed the draft's weights: a bound its reduction set, not the caches.)
+std::vector<double> read_seconds(int64_t nbytes, int64_t repeats) {
+  check_probe_args(nbytes, repeats);
+  const int64_t unit = 8 * kLanes;
+  const int64_t n = nbytes / 4 / unit * unit;
+  aligned_vector<float> buf(n, 1.f);
+  return time_parts(repeats, "read", [&](int tid, int nth) {
+    const int64_t units = n / unit, u0 = units * tid / nth, u1 = units * (tid + 1) / nth;
+    vec acc[8];
+    for (auto& a : acc) a = vzero();
+    for (const float* q = buf.data() + u0 * unit; q < buf.data() + u1 * unit; q += unit)
+      for (int j = 0; j < 8; ++j) acc[j] = vadd(acc[j], vload(q + j * kLanes));
+    for (int j = 1; j < 8; ++j) acc[0] = vadd(acc[0], acc[j]);
+    return vsum(acc[0]);
+  });
 }
 
 // Seconds of each of ``repeats`` passes that widen ``nbytes`` of float16 weights to float32 as
@@ -1684,38 +1699,25 @@ std::vector<double> read_seconds(int64_t nbytes, int64_t repeats) {
 // stream does (bench/roofline.py, bench/linear.py): on the project's AVX2 Zen 1 a 256-bit
 // widening took ~3 cycles, 13 GB/s of float16 a core, below what its DRAM delivers to two.
 std::vector<double> widen_seconds(int64_t nbytes, int64_t repeats) {
-  SE_CHECK(nbytes >= 4096 && nbytes <= (int64_t(16) << 30), "nbytes must be in [4096, 16 GiB], got ", nbytes);
-  SE_CHECK(repeats >= 1 && repeats <= 100000, "repeats must be in [1, 100000], got ", repeats);
+  check_probe_args(nbytes, repeats);
   constexpr int64_t kSlice = 8192;  // halves a thread re-reads: 16 KiB
   const int64_t unit = 8 * kLanes;  // halves a step
-  const int nt = forward_threads();
-  aligned_vector<uint16_t> buf(kSlice * nt, 0x3c00);  // float16 1.0
+  aligned_vector<uint16_t> buf(kSlice * forward_threads(), 0x3c00);  // float16 1.0
   const int64_t halves = nbytes / 2 / unit * unit;
-  std::vector<float> sink(64 * 16, 0.f);
-  std::vector<double> seconds;
-  seconds.reserve(repeats);
-  for (int64_t i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(nt)
-    {
-      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-      const int64_t units = halves / unit, todo = (units * (tid + 1) / nth - units * tid / nth) * unit;
-      const uint16_t* slice = buf.data() + static_cast<int64_t>(tid) * kSlice;
-      vec acc[8];
-      for (auto& a : acc) a = vzero();
-      for (int64_t done = 0; done < todo;) {
-        const int64_t n = std::min(kSlice, todo - done);
-        for (const uint16_t* q = slice; q < slice + n; q += unit)
-          for (int j = 0; j < 8; ++j) acc[j] = vadd(acc[j], vloadw(q + j * kLanes));
-        done += n;
-      }
-      for (int j = 1; j < 8; ++j) acc[0] = vadd(acc[0], acc[j]);
-      sink[tid * 16] += vsum(acc[0]);  // keeps the widenings
+  return time_parts(repeats, "widening", [&](int tid, int nth) {
+    const int64_t units = halves / unit, todo = (units * (tid + 1) / nth - units * tid / nth) * unit;
+    const uint16_t* slice = buf.data() + static_cast<int64_t>(tid) * kSlice;
+    vec acc[8];
+    for (auto& a : acc) a = vzero();
+    for (int64_t done = 0; done < todo;) {
+      const int64_t n = std::min(kSlice, todo - done);
+      for (const uint16_t* q = slice; q < slice + n; q += unit)
+        for (int j = 0; j < 8; ++j) acc[j] = vadd(acc[j], vloadw(q + j * kLanes));
+      done += n;
     }
-    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  }
-  SE_CHECK(sink[0] > 0.f, "the widening probe summed nothing");
-  return seconds;
+    for (int j = 1; j < 8; ++j) acc[0] = vadd(acc[0], acc[j]);
+    return vsum(acc[0]);
+  });
 }
 
 void register_native_forward(py::module& m) {
