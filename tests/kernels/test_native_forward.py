@@ -626,6 +626,36 @@ def test_the_crossover_is_not_swayed_by_which_packing_runs_first(checkpoints):
     assert start is None and ratios and all(r > 1 for r in ratios.values())
 
 
+def test_a_narrow_win_must_hold_over_more_rounds(checkpoints):
+    """A packing 0.95x the other's time over a count's first rounds (a win by less than three
+    margins) and 1.10x after: timed again, it loses, at every count; one 0.80x throughout wins
+    at once. Passes spin on the clock for exact durations."""
+    import time
+
+    from staged_engine.model.backend import WIDE_LADDER, wide_crossover
+
+    model = load_model(checkpoints["odd96"])
+    calls: dict[int, int] = {}
+
+    class Spin:
+        def __init__(self, early, late):
+            self.early, self.late = early, late
+
+        def forward_ids(self, ids, *args):
+            if self.early != self.late:  # the first 9 passes of a count (warm-up + 8 rounds) are early
+                calls[len(ids)] = calls.get(len(ids), 0) + 1
+            late = calls.get(len(ids), 0) > 9
+            end = time.perf_counter() + (self.late if late else self.early)
+            while time.perf_counter() < end:
+                pass
+
+    start, ratios = wide_crossover(Spin(0.00095, 0.0011), Spin(0.001, 0.001), model.config, rows=WIDE_LADDER[:4])
+    assert start is None and all(r > 1 for r in ratios.values())
+    assert all(c == 9 + 17 for c in calls.values())  # every count timed again
+    start, ratios = wide_crossover(Spin(0.0008, 0.0008), Spin(0.001, 0.001), model.config, rows=WIDE_LADDER[:4])
+    assert start == WIDE_LADDER[0] and all(r < 0.9 for r in ratios.values())
+
+
 @pytest.mark.parametrize("bad", [1, -1, 2.5, True, "4"])
 def test_wide_rows_refuses_what_is_not_a_row_count(bad):
     with pytest.raises(ValueError, match="wide_rows must be None"):
