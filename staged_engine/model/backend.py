@@ -137,6 +137,12 @@ class _Packed(NamedTuple):
     wide_from: int | None = None  # the row count from which passes take it
 
 
+def packing_for(rows: int, native, wide, wide_from: int | None):
+    """The packing a pass over ``rows`` rows takes: the float32 one (``wide``, see
+    ``TorchBackend.wide_rows``) from ``wide_from`` rows on where the model has one, else ``native``."""
+    return wide if wide is not None and rows >= wide_from else native
+
+
 class TorchBackend(Backend):
     """PyTorch on any device. On CPU in float32 (``native``) a pass over at most 64 rows runs in
     one call of the ``_cpu`` extension (``NativeGPT2``, csrc/cpu_forward.cpp), whose per-row
@@ -286,10 +292,7 @@ class TorchBackend(Backend):
                               stacklevel=2)
             return None
         mask = tree_mask.contiguous() if tree_mask is not None else None
-        native = self.native_model(model)
-        wide, wide_from = self.wide_rows_model(model)
-        if wide is not None and b * n >= wide_from:
-            native = wide
+        native = packing_for(b * n, self.native_model(model), *self.wide_rows_model(model))
         return native.forward(tokens, positions, k, v, writes, starts, m, mask, last_only)
 
     def top_children(self, scores, k):

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from staged_engine.model.backend import NATIVE_MAX_ROWS, Backend, _cpu
+from staged_engine.model.backend import NATIVE_MAX_ROWS, Backend, _cpu, packing_for
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.kv_cache import KVCache
 
@@ -105,12 +105,10 @@ class ModelRunner:
                  last_only: bool) -> torch.Tensor | None:
         """``run`` on the native fast path for row 0 of a one-row cache: (N, V) or (1, V) logits, or
         None when it does not apply (then the caller takes the tensor path)."""
-        native = self._native
         n = len(tokens)
-        if native is None or n > NATIVE_MAX_ROWS:
+        if self._native is None or n > NATIVE_MAX_ROWS:
             return None
-        if self._wide is not None and n >= self._wide_from:
-            native = self._wide
+        native = packing_for(n, self._native, self._wide, self._wide_from)
         cache = self.cache
         t0 = time.perf_counter()
         _, starts, m = cache.append(n, tree_mask)
