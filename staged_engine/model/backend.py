@@ -477,13 +477,19 @@ WIDE_LADDER = (2, 3, 4, 6, 8, 12, 16, 32, 64)  # row counts ``wide_crossover`` t
 
 
 def wide_crossover(wide, narrow, cfg, rows=WIDE_LADDER, rounds: int = 8, context: int = 32,
-                   budget: float = 2.0) -> tuple[int | None, dict[str, float]]:
+                   budget: float = 2.0, least: int = 6) -> tuple[int | None, dict[str, float]]:
     """The first row count of ``rows`` at which a pass of ``wide`` ran faster than one of
     ``narrow`` by more than WIDE_MARGIN, and so did the next count's (the last count alone), or
     None if none did before ``budget`` seconds of measuring ran out; and each measured count's
     median ratio of seconds, over ``rounds`` alternating rounds after a warm-up, on a scratch
     cache of ``context`` entries. Counts go up, so a model whose wide passes win early stops early
     (the demo oracle on the Zen 1: about 0.2 s).
+
+    The budget bounds what a slow model's later counts cost; its first ``least`` counts (2-12
+    rows on the ladder) are timed whatever they take. GPT-2-small's passes take 13-25 ms on the
+    Zen 1, so its first four or five counts spend the 2 s: in one roofline run it measured 6
+    rows 0.88x, 8 rows 1.07x (noise: three loads in another sitting measured 0.80-0.81x there),
+    ran out, and every pass of it stayed float16: 1.10x the time at 8 rows, 1.23-1.27x at 16-64.
 
     ``rounds`` is even so that each model runs first in half of them: which one goes first moves
     a pass's time. With 3 rounds (two with ``wide`` first) the demo oracle on the Zen 1 was given
@@ -518,7 +524,7 @@ def wide_crossover(wide, narrow, cfg, rows=WIDE_LADDER, rounds: int = 8, context
         if wins and (won is not None or n == rows[-1]):
             return (won if won is not None else n), ratios
         won = n if wins else None
-        if time.perf_counter() - began > budget:
+        if len(ratios) >= least and time.perf_counter() - began > budget:
             break
     return None, ratios
 

@@ -603,6 +603,28 @@ def test_the_crossover_reads_the_clock_from_few_rows_up(checkpoints):
     assert start is None and list(ratios) == [str(n) for n in tried] and all(r > 1 for r in ratios.values())
 
 
+def test_a_spent_budget_still_times_the_first_counts(checkpoints):
+    """The budget stops a slow model's later counts, never its first ``least``: with no budget
+    at all, a packing that never wins is timed at the ladder's first six counts (2-12 rows),
+    and the one that wins from 2 rows is still confirmed at 3."""
+    import time
+
+    from staged_engine.model.backend import WIDE_LADDER, wide_crossover
+
+    model = load_model(checkpoints["odd96"])
+    native = TorchBackend(native=True, wide_weights=False).native_model(model)
+
+    class Slow:
+        def forward_ids(self, *args):
+            time.sleep(0.002)
+            return native.forward_ids(*args)
+
+    start, ratios = wide_crossover(Slow(), native, model.config, budget=0.0)
+    assert start is None and list(ratios) == [str(n) for n in WIDE_LADDER[:6]]
+    start, ratios = wide_crossover(native, Slow(), model.config, budget=0.0)
+    assert start == WIDE_LADDER[0] and list(ratios) == [str(n) for n in WIDE_LADDER[:2]]
+
+
 def test_the_crossover_is_not_swayed_by_which_packing_runs_first(checkpoints):
     """Two packings of equal speed, where the pass run second in a round is 2 ms slower (as a
     pass after another packing's can be): each runs second in half the rounds, so neither is
