@@ -223,6 +223,7 @@ class PlannerMemory:
         self.arms = arms
         self.source = "new"  # or "cached": restored from what an earlier process learned here
         self.saved_at = 0.0  # time.monotonic() of the last save_memory
+        self.unsaved = False  # learned more since (the engine saves at most every 5 s)
         self.path = ""  # where the engine keeps it
         self.acceptance = Acceptance()
         self.cost = RoundCost()

@@ -549,6 +549,35 @@ def test_planner_memory_is_kept_across_engine_loads_and_a_bad_file_is_ignored(pa
         save_memory(str(cache / "file" / "x.json"), memory)  # a file where a directory should be
 
 
+def test_what_the_generations_after_a_save_learned_is_kept_when_the_engine_goes(pair, cache, monkeypatch):
+    """A memory is saved at most every 5 s: what a short-lived process learned after its first
+    save is kept when its engine is collected (or the process exits), so the next process
+    starts from its last state, not from its first generation's."""
+    import gc
+    import time
+    import types
+
+    import staged_engine.engine as engine_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(monotonic=lambda: clock[0],
+                                                                  perf_counter=time.perf_counter))
+    oracle, draft = pair
+    eng = Engine.from_pretrained(oracle, draft=draft)
+    eng.generate([1, 2, 3], max_new_tokens=24, strategy="chain")  # the first save
+    (path,) = (cache / "planner").glob("*.json")
+    kept = lambda: sum(json.loads(path.read_text())["stints"]["rounds"])  # noqa: E731
+    first = kept()
+    clock[0] += 1.0
+    eng.generate([4, 5, 6], max_new_tokens=24, strategy="chain")  # within 5 s: not saved yet
+    (memory,) = eng._memories.values()
+    learned = sum(memory.stints.rounds)
+    assert kept() == first < learned
+    del eng, memory
+    gc.collect()
+    assert kept() == learned
+
+
 def test_profile_of_a_model_the_engine_lacks_is_refused(pair, cache):
     eng = Engine.from_pretrained(pair[0])
     with pytest.raises(ValueError, match="which"):
