@@ -1,10 +1,11 @@
 """``staged-engine demo``: the embedded pair writes code, plain decoding against speculation."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
-from staged_engine.demo_pair import DEMO_PROMPTS, SAMPLED
+from staged_engine.demo_pair import DEMO_PROMPTS, SAMPLED, cache_dir
 from staged_engine.engine import Engine
 
 
@@ -27,7 +28,7 @@ def run(args) -> int:
     # Warm up both paths once (first calls allocate caches and load kernels).
     eng.generate(DEMO_PROMPTS[0], max_new_tokens=8, strategy="plain")
     eng.generate(DEMO_PROMPTS[0], max_new_tokens=8, strategy=strategy)
-    all_same, summary = True, []
+    all_same, summary, new_memory = True, [], False
     for mode, knobs in modes:
         rows = []
         for i, prompt in enumerate(DEMO_PROMPTS[:args.prompts]):
@@ -50,13 +51,18 @@ def run(args) -> int:
         plans = [s["planner"] for _, s, _ in rows if "planner" in s]
         total = sum(pl["drafted_rounds"] + pl["fixed_rounds"] + pl["plain_rounds"] for pl in plans)
         plain_steps = sum(pl["plain_rounds"] for pl in plans)
-        chosen = (f", {plain_steps / total:.0%} of rounds chosen as plain steps (drafting did not pay there)"
-                  if total else "")
+        chosen = (f", {plain_steps / total:.0%} of rounds ran as plain steps (where drafting did not pay, "
+                  f"and to time drafting against)" if total else "")
+        new_memory |= any(pl.get("memory") != "cached" for pl in plans)
         summary.append(f"{mode}: plain {tp:.0f} tok/s, {strategy} {ts:.0f} tok/s, speedup {ts / tp:.2f}x, "
                        f"{sum(s['new_tokens'] for _, s, _ in rows) / calls:.2f} tokens per oracle call{chosen}, "
                        f"outputs identical: {same}")
     print("\nsummary")
     for line in summary:
         print("  " + line)
+    if new_memory:
+        print("  The planner had no memory of this machine, so these runs also compared its ways of drafting\n"
+              "  (blocks of each, timed against plain steps). What it learned is kept in "
+              f"{os.path.join(cache_dir(), 'planner')}:\n  the next run starts from it.")
     print(f"  (total {time.perf_counter() - t0:.0f}s)")
     return 0 if all_same else 1
