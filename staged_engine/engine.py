@@ -150,6 +150,7 @@ def _flush_memories(memories) -> None:
             memory.unsaved = False
             save_memory(memory.path, memory)
 
+
 class Engine:
     """An oracle model, optional drafters, a tokenizer and a backend; decoding strategies on top."""
 
