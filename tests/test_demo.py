@@ -106,3 +106,11 @@ def test_demo_command_runs():
                           "--max-new-tokens", "24"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "tok/s" in out.stdout and "identical to plain" in out.stdout
+
+
+def test_generate_with_ids_names_a_word_that_is_no_token_id(capsys):
+    from staged_engine.cli.main import main
+
+    assert main(["generate", "--prompt", "1, 2 x", "--ids", "--max-new-tokens", "2"]) == 2
+    assert "with --ids the prompt must be token ids" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "1, 2 3", "--ids", "--max-new-tokens", "2", "--strategy", "plain"]) == 0

@@ -129,7 +129,11 @@ def _cmd_generate(args) -> int:
     else:
         raise ValueError("--prompt or --prompt-file is required")
     if args.ids:
-        prompt = [int(x) for x in prompt.replace(",", " ").split()]
+        words = prompt.replace(",", " ").split()
+        bad = [w for w in words if not w.lstrip("+-").isdigit()]
+        if bad:
+            raise ValueError(f"with --ids the prompt must be token ids separated by spaces or commas, got {bad[0]!r}")
+        prompt = [int(x) for x in words]
     kwargs = dict(max_new_tokens=args.max_new_tokens, strategy=args.strategy,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                   num_beams=args.num_beams, stop_at_eos=not args.no_eos, token_healing=args.token_healing,
