@@ -35,6 +35,7 @@ holds the rest of the prompt).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,7 @@ def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams
     layout = config.layout
     if strategy == "beam":
         rows, slack = (1, 4 * num_beams + 1) if layout == "tree" else (num_beams, 1)
+        check_fits(num_beams, [(engine.oracle, rows, slack)])
         return BeamDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack), sampling, num_beams,
                            layout, slack)
     if strategy != "dsbd" or config.dsbd is None:
@@ -86,9 +88,37 @@ def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams
     # The draft's catch-up on skipped beam-sampling steps puts up to max(CATCH_UP_NODES, W)
     # nodes on one row.
     draft_slack = slack + (max(CATCH_UP_NODES, num_beams) if memory is not None else 0)
+    check_fits(num_beams, [(engine.oracle, rows, slack), (engine.draft, rows, draft_slack)])
     return DSBDDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack),
                        _beam_runner(engine.draft, engine.backend, rows, draft_slack), sampling, cfg, layout,
                        slack, memory)
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory the device has (physical memory for the CPU), 0 when unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return 0
+
+
+def check_fits(num_beams: int, runners: list[tuple[GPT2, int, int]]) -> None:
+    """Refuse a width whose K/V caches (each ``(model, rows, extra_slots)`` of ``_beam_runner``)
+    and per-beam scores over the vocabulary (two copies) cannot fit the device's memory: a
+    ValueError naming ``num_beams``, not the allocator's failure a step later (``num_beams``
+    10**6 on the demo pair asked for 33-41 GB at once)."""
+    model = runners[0][0]
+    size = model.wte.weight.element_size()
+    need = 2 * num_beams * model.config.vocab_size * 4
+    for m, rows, slots in runners:
+        c = m.config
+        need += 2 * c.n_layer * rows * (c.n_positions + slots) * c.n_embd * size  # K and V
+    have = device_memory(model.wte.weight.device)
+    if have and need > have:
+        raise ValueError(f"num_beams={num_beams} needs at least {need / 1e9:.1f} GB for its K/V cache and "
+                         f"scores, more than this device's {have / 1e9:.1f} GB")
 
 
 def _beam_runner(model: GPT2, backend: Backend, rows: int, extra_slots: int) -> ModelRunner:

@@ -364,6 +364,22 @@ def test_bad_options_raise(engine, strategy, opts, needle):
         engine.generate([1, 2, 3], max_new_tokens=4, strategy=strategy, num_beams=4, **opts)
 
 
+@pytest.mark.parametrize("strategy", ["beam", "dsbd"])
+@pytest.mark.parametrize("layout", ["tree", "rows"])
+def test_a_width_whose_cache_cannot_fit_is_refused(engine, monkeypatch, strategy, layout):
+    """The width's K/V cache and scores are sized against the device's memory before anything is
+    allocated: a clear error naming num_beams (here a 64 KB device), not the allocator's."""
+    import staged_engine.beam.decoders as dec
+
+    assert dec.device_memory(torch.device("cpu")) > 1 << 30
+    monkeypatch.setattr(dec, "device_memory", lambda device: 1 << 16)
+    with pytest.raises(ValueError, match="num_beams=4 needs at least .* GB for its K/V cache"):
+        engine.generate([1, 2, 3], max_new_tokens=2, strategy=strategy, num_beams=4, layout=layout)
+    monkeypatch.setattr(dec, "device_memory", lambda device: 0)  # unknown: not refused
+    assert len(engine.generate([1, 2, 3], max_new_tokens=2, strategy=strategy, num_beams=4,
+                               layout=layout).token_ids) == 2
+
+
 def test_dsbd_needs_a_draft(checkpoints):
     with pytest.raises(ValueError, match="draft"):
         Engine.from_pretrained(checkpoints["odd96"]).generate([1, 2], strategy="dsbd", num_beams=2)
