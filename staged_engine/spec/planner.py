@@ -430,8 +430,9 @@ class Stints:
         bonus = lambda a: self.bonus * math.sqrt(math.log(total + 1) / (self.pairs[a] + 1))  # noqa: E731
         others = [a for a in range(1, self.n_arms) if a != best]
         # An arm never compared yet (its first comparison cut short when a memory was kept and
-        # restored mid-plan) has no score to be optimistic about: it is checked first.
-        unseen = [a for a in others if self.pairs[a] == 0]
+        # restored mid-plan, or any arm after a restore) has no pair to be optimistic about: it
+        # is checked first, those with the best kept scores before the rest.
+        unseen = sorted((a for a in others if self.pairs[a] == 0), key=lambda a: (-self.score[a], a))
         challenger = unseen[0] if unseen else \
             max(others, key=lambda a: (self.score[a] + bonus(a), -a)) if others else PLAIN
         if self.favoured is not None:

@@ -489,6 +489,26 @@ def test_arms_a_kept_memory_never_compared_are_checked_soon_after_restore():
     assert max(range(5), key=lambda a: again.score[a]) == 3 and played[-1] == 3
 
 
+def test_a_restored_memory_checks_its_arms_best_kept_first():
+    """After a restore every arm is compared again once, in the order of the scores kept: the
+    arms kept nearest the best first, the one kept far behind last (a short process may end
+    before it gets there, and then it lost least)."""
+    import math
+
+    st = Stints(arms=5)
+    st.score, st.pairs, st.rounds = [0.0, 0.05, -0.3, 0.2, 0.1], [6, 2, 2, 2, 2], [96, 32, 32, 32, 32]
+    st.stint, st.favoured = 8, 3
+    again = Stints(arms=5)
+    again.restore(json.loads(json.dumps(st.state())))
+    played = []
+    for _ in range(600):
+        arm = again.arm
+        played.append(arm)
+        again.record(1, 1.0 / math.exp(st.score[arm]))  # every arm runs at its kept rate
+    assert played[0] == 3
+    assert sorted((1, 2, 4), key=played.index) == [4, 1, 2]
+
+
 def _restored_share(before: dict, after: dict, rounds: int = 2000) -> float:
     """Stints that learned 6,000 rounds on a machine where the arms ran at ``before`` (rate over
     plain's), kept and restored, then ``rounds`` rounds where they run at ``after``: the rate
