@@ -35,7 +35,6 @@ holds the rest of the prompt).
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -52,7 +51,7 @@ from staged_engine.beam.core import (
     TorchRandom,
     distinct,
 )
-from staged_engine.model.backend import Backend
+from staged_engine.model.backend import Backend, device_memory
 from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.kv_cache import KVCache
 from staged_engine.model.runner import ModelRunner
@@ -92,16 +91,6 @@ def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams
     return DSBDDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack),
                        _beam_runner(engine.draft, engine.backend, rows, draft_slack), sampling, cfg, layout,
                        slack, memory)
-
-
-def device_memory(device: torch.device) -> int:
-    """Bytes of memory the device has (physical memory for the CPU), 0 when unknown."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.get_device_properties(device).total_memory
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError, RuntimeError):
-        return 0
 
 
 def check_fits(num_beams: int, runners: list[tuple[GPT2, int, int]]) -> None:

@@ -529,13 +529,20 @@ def wide_crossover(wide, narrow, cfg, rows=WIDE_LADDER, rounds: int = 8, context
     return None, ratios
 
 
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory the device has (physical memory for the CPU), 0 when unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return 0
+
+
 def wide_memory_cap() -> int:
     """Bytes a second, float32 packing of a model may take: an eighth of physical memory (0 when
     the OS does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
-    except (ValueError, OSError, AttributeError):
-        return 0
+    return device_memory(torch.device("cpu")) // 8
 
 
 def make_backend(name: str, device: torch.device) -> Backend:
