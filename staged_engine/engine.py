@@ -142,10 +142,9 @@ def temperature_band(temperature: float) -> int:
 
 
 def _flush_memories(memories) -> None:
-    """Save every planner memory of ``memories`` (a dict's values or a list) whose latest state
-    is not on disk yet: at exit, when its engine is collected, when one falls out of the 32
-    kept."""
-    for memory in list(memories.values() if isinstance(memories, dict) else memories):
+    """Save every planner memory of ``memories`` whose latest state is not on disk yet: at exit,
+    when its engine is collected, when one falls out of the 32 kept."""
+    for memory in list(memories):
         if memory.unsaved:
             memory.unsaved = False
             save_memory(memory.path, memory)
@@ -201,7 +200,7 @@ class Engine:
         # process (the demo, a CLI call) left the memory of its first generation, and the next
         # one started from that: the demo's greedy half, restored so, ran 1.15-1.19x plain
         # against 1.35x fresh (AMD EPYC Zen 1, 3 prompts of 256 tokens).
-        weakref.finalize(self, _flush_memories, self._memories)
+        weakref.finalize(self, _flush_memories, self._memories.values())  # a live view
         # how each cost profile was obtained: "cached", "measured" or "re-measured"
         self.profile_sources: dict[str, str] = {}
 
