@@ -143,6 +143,19 @@ def packing_for(rows: int, native, wide, wide_from: int | None):
     return wide if wide is not None and rows >= wide_from else native
 
 
+_warned_unbuilt = False
+
+
+def _warn_once_unbuilt() -> None:
+    """Say once a process that the extension is not built (a CPU without AVX2 does not build it:
+    setup.py). Python's own once-per-place rule is not enough: any library that touches the
+    warning filters resets it, and two engines warned twice."""
+    global _warned_unbuilt
+    if not _warned_unbuilt:
+        _warned_unbuilt = True
+        warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU", stacklevel=3)
+
+
 class TorchBackend(Backend):
     """PyTorch on any device. On CPU in float32 (``native``) a pass over at most 64 rows runs in
     one call of the ``_cpu`` extension (``NativeGPT2``, csrc/cpu_forward.cpp), whose per-row
@@ -166,8 +179,7 @@ class TorchBackend(Backend):
         if native is None:
             native = native_enabled()
             if _cpu is None:
-                warnings.warn("staged_engine._cpu is not built: using stock torch kernels on CPU",
-                              stacklevel=2)
+                _warn_once_unbuilt()
         self.native = bool(native)
         # Float16-valued weights packed as float32 (True), as float16 (False), or whichever runs a
         # one-row pass faster here (None: ``_pack``). The bits out of a pass are the same.

@@ -907,6 +907,56 @@ def test_a_dtype_the_native_path_does_not_run_falls_back_with_one_warning(checkp
     assert torch.equal(a, ra) and torch.equal(b, rb)
 
 
+NO_EXTENSION = r"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):  # what a CPU without AVX2 installs: no _cpu extension
+    def find_spec(self, name, path=None, target=None):
+        if name == "staged_engine._cpu":
+            raise ImportError("blocked for the test")
+        return None
+sys.meta_path.insert(0, Block())
+from staged_engine import Engine
+from staged_engine.model import backend
+assert backend._cpu is None
+for _ in range(2):
+    eng = Engine.from_pretrained(sys.argv[1])
+    assert not eng.backend.native
+    out = eng.generate([5, 6, 7], max_new_tokens=12, strategy="plain", stop_at_eos=False)
+print(" ".join(map(str, out.token_ids)))
+"""
+
+
+def test_setup_builds_the_native_extension_only_where_the_cpu_has_avx2_fma_and_f16c():
+    """setup.py's gate, read from /proc/cpuinfo's flags (here a fake file)."""
+    import ast
+    import io
+    import pathlib
+
+    src = pathlib.Path(__file__).resolve().parents[2] / "setup.py"
+    fn = next(n for n in ast.parse(src.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "_cpu_has_avx2")
+    for flags, expected in (("fpu sse2 avx avx2 fma f16c", True), ("fpu sse2 avx fma f16c", False),
+                            ("fpu avx2 fma", False), ("", False)):
+        ns = {"open": lambda *a, flags=flags, **k: io.StringIO(f"processor : 0\nflags\t: {flags}\n")}
+        exec(compile(ast.Module([fn], []), str(src), "exec"), ns)
+        assert ns["_cpu_has_avx2"]() is expected, flags
+
+
+def test_without_the_native_extension_decoding_runs_on_torch_with_one_warning(checkpoints):
+    """Where the extension is not built (a CPU without AVX2: see setup.py), engines run on the
+    stock torch path, warn once per process however many are made, and decode the same greedy
+    tokens as the native path."""
+    from staged_engine import Engine
+
+    out = subprocess.run([sys.executable, "-c", NO_EXTENSION, checkpoints["odd96"]], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stderr.count("staged_engine._cpu is not built") == 1, out.stderr
+    native = Engine.from_pretrained(checkpoints["odd96"])
+    assert native.backend.native
+    ref = native.generate([5, 6, 7], max_new_tokens=12, strategy="plain", stop_at_eos=False).token_ids
+    assert out.stdout.split() == [str(t) for t in ref]
+
+
 def test_a_tree_mask_of_the_wrong_shape_is_refused_on_both_paths(checkpoints):
     """The list path (one-row runner) and the tensor path (model.forward) check the mask in the
     same place, before any slot is reserved."""
