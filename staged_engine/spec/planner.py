@@ -286,6 +286,8 @@ class Stints:
     chain depths of about equal speed trading places on the clock's noise) the stint grows on.
     An arm with no pair yet (a memory kept before its first comparisons were done) is the next
     challenger, after a first stint's worth of the best arm, whatever the stint has grown to.
+    After a restore every arm is one, until the first check says whether the memory still holds
+    (``_confirm``): if it does, the arms it kept more than ``far`` behind wait for the usual checks.
     A favoured drafting arm's blocks are also read for their tokens per round (``_watch``): a
     yield that says it has fallen behind plain steps cuts its stint short. A drafting arm's first
     look and a check of a challenger scored more than ``far`` behind run a quarter block
@@ -296,13 +298,19 @@ class Stints:
 
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
                  max_stint: int = 32, bonus: float = 0.1, tie: float = 0.05, drop: float = 0.1,
-                 far: float = 0.2, draftless: tuple[int, ...] = ()) -> None:
+                 far: float = 0.2, agree: float = 0.1, draftless: tuple[int, ...] = ()) -> None:
         if arms < 2:
             raise ValueError(f"arms must be at least 2 (plain and one drafting arm), got {arms}")
         self.draftless = frozenset(draftless)  # arms that never run the draft: none goes cold
         self.n_arms, self.block, self.first_stint, self.max_stint, self.bonus = arms, block, first_stint, max_stint, bonus
         self.far = far  # a challenger scored this far behind the favoured arm is checked in a short block
         self.tie = tie
+        # After a restore: the scores kept, until the first check of an arm compared there says
+        # whether they still hold (within ``agree`` in log rate: ``_confirm``); and which arms were.
+        self.agree = agree
+        self.kept: list[float] | None = None
+        self.kept_compared = [False] * arms
+        self.deferred = 0  # arms a confirmed memory left to the usual checks
         self.score = [0.0] * arms  # running log(rate / plain rate), from adjacent pairs
         self.pairs = [0] * arms  # adjacent pairs each arm took part in
         self.last = [0.0] * arms  # the latest block rate of each arm
@@ -414,10 +422,31 @@ class Stints:
             return
         if a == PLAIN:
             a, ratio = b, -ratio
+        first = self.pairs[a] == 0
         self.pairs[a] += 1
         self.pairs[PLAIN] += 1
         w = max(0.3, 1.0 / (self.pairs[a] + 1))
         self.score[a] += w * (ratio - self.score[a])
+        if first and self.kept is not None and self.kept_compared[a]:
+            self._confirm(a, ratio)
+
+    def _confirm(self, a: int, ratio: float) -> None:
+        """The first check after a restore of an arm the kept memory had compared: its pair said
+        log(rate / plain's) = ``ratio``. Within ``agree`` of the kept score, the memory still
+        holds (the same machine in the same state, the same kind of text): the arms kept more
+        than ``far`` behind the kept best are left to the usual checks, which come seldom for
+        them, instead of each costing a block, the draft's catch-up and a cold round now (in the
+        demo's sampled half, where every drafting arm trails plain steps, those re-checks held
+        the restored runs at 0.95x plain). Further off, something changed and every arm is
+        checked again once, as a restore does by default."""
+        kept, self.kept = self.kept, None
+        if abs(ratio - kept[a]) > self.agree:
+            return
+        best = max(kept)
+        for b in range(1, self.n_arms):
+            if self.pairs[b] == 0 and self.kept_compared[b] and math.exp(kept[b] - best) < 1.0 - self.far:
+                self.pairs[b] = 1  # its kept score stands, as one comparison's worth
+                self.deferred += 1
 
     def _schedule(self) -> None:
         """A plan ran out: a stint of the best arm, then a check, which ends with a block of
@@ -468,7 +497,9 @@ class Stints:
 
     def restore(self, state: dict) -> None:
         """Start from a ``state()`` (ValueError if it is malformed or for other arms): the kept
-        best arm plays first, and every arm is checked again once, a first stint apart."""
+        best arm plays first, and the arms are checked again once, a first stint apart, best kept
+        first; if the first check agrees with the memory, those kept far behind are not
+        (``_confirm``)."""
         if not isinstance(state, dict) or state.get("arms") != self.n_arms:
             raise ValueError(f"planner state must be for {self.n_arms} arms")
         score, pairs, rounds = state.get("score"), state.get("pairs"), state.get("rounds")
@@ -492,8 +523,11 @@ class Stints:
         # Resumed as they were, a memory kept in a slow hour held plain steps 128 blocks before
         # the first check of a chain that had become the faster, then moved its score 0.3 of
         # the way at each check of ever longer stints: over 4,000 rounds it never played it.
+        # When the first check finds the kept score again, the memory is taken at its word for
+        # the arms it kept far behind (``_confirm``).
         self.score, self.rounds = [float(v) for v in score], list(rounds)
         self.pairs = [0] * self.n_arms
+        self.kept, self.kept_compared = list(self.score), [p > 0 for p in pairs]
         self.favoured, self.stint = None, self.first_stint  # _schedule keeps it while nothing is favoured
         self.prev_arm, self.tokens, self.seconds = -1, 0.0, 0.0
         self._schedule()
