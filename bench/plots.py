@@ -14,7 +14,8 @@ Plots, each skipped with a note when its input file is missing:
   forward_cost.png            oracle forward time against tree nodes (forward_cost.json):
                               milliseconds, and relative to a 1-node pass
   temperature.png             tokens/s against sampling temperature for plain decoding, the best
-                              fixed chain and the planned staged default (temperature.json)
+                              fixed chain and the planned staged default (temperature.json;
+                              temperature_avx2.png from temperature_avx2.json)
 
 Needs matplotlib, a benchmark-only extra: `pip install matplotlib` (or `pip install -e .[bench]`).
 """
@@ -266,14 +267,15 @@ def main(argv=None) -> int:
         path = plot_forward_cost(plt, r, os.path.join(out, "forward_cost.png"))
         print(path if path else f"skipping forward_cost.png: no curves in {fc_path}")
         written += bool(path)
-    t_path = os.path.join(args.results, "temperature.json")
-    r = _load(t_path)
-    if r is None:
-        print(f"skipping temperature.png: {t_path} not found")
-    else:
-        path = plot_temperature(plt, r, os.path.join(out, "temperature.png"))
-        print(path if path else f"skipping temperature.png: no rows in {t_path}")
-        written += bool(path)
+    for stem in ("temperature", "temperature_avx2"):
+        t_path = os.path.join(args.results, f"{stem}.json")
+        r = _load(t_path)
+        if r is None:
+            print(f"skipping {stem}.png: {t_path} not found")
+        else:
+            path = plot_temperature(plt, r, os.path.join(out, f"{stem}.png"))
+            print(path if path else f"skipping {stem}.png: no rows in {t_path}")
+            written += bool(path)
     if not written:
         print("no plots written")
     return 0

@@ -109,13 +109,17 @@ def _plot(name: str, alt: str) -> list[str]:
     return []
 
 
-def section_sweep(sweeps: list[dict]) -> list[str]:
-    out = ["### The planned default against fixed shapes (`staged-engine bench sweep --mode MODE`)\n",
+def section_sweep(sweeps: list[dict], suffix: str = "", where: str = "") -> list[str]:
+    """The sweeps of ``sweep_<mode><suffix>.json``; ``where`` qualifies the title (the machine)."""
+    cmd = "staged-engine bench sweep --mode MODE" + (f" --out sweep_MODE{suffix}.json" if suffix else "")
+    machines = {_machine(r["machine"]) for r in sweeps}
+    out = [f"### The planned default against fixed shapes{where} (`{cmd}`)\n",
            "Per strategy and mode: the planned default (each round drafts and verifies what pays) and the "
            "best fixed shape of the sweep (chains of 1-10, trees of 4-16 nodes, staged shapes), as speedups "
            "over plain decoding, every generation paired with a plain one of the same prompt just before it "
-           "(all tokens over all seconds; per-prompt median and minimum). Sources: "
-           + ", ".join(f"`bench/results/sweep_{r['mode']}.json`" for r in sweeps) + ".\n",
+           "(all tokens over all seconds; per-prompt median and minimum); "
+           f"{'; '.join(sorted(machines))}. Sources: "
+           + ", ".join(f"`bench/results/sweep_{r['mode']}{suffix}.json`" for r in sweeps) + ".\n",
            "| mode | strategy | shape | tok/s | vs plain | per-prompt median | slowest prompt | tokens/oracle call "
            "| planned / best fixed |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sweeps:
@@ -130,11 +134,12 @@ def section_sweep(sweeps: list[dict]) -> list[str]:
     return out
 
 
-def section_temperature(r: dict) -> list[str]:
-    out = ["### Tokens/s against temperature (`staged-engine bench temperature`)\n",
+def section_temperature(r: dict, source: str = "temperature.json", where: str = "") -> list[str]:
+    cmd = "staged-engine bench temperature" + (f" --out {source}" if source != "temperature.json" else "")
+    out = [f"### Tokens/s against temperature{where} (`{cmd}`)\n",
            f"{r['n_prompts']} held-out prompts x {r['new_tokens']} tokens, {r['repeats']} repeats, systems "
            f"alternating; {_machine(r['machine'])}. The best fixed chain is picked per temperature after the "
-           "fact. Source: `bench/results/temperature.json`.\n",
+           f"fact. Source: `bench/results/{source}`.\n",
            "| temperature | plain tok/s | staged (planned) | best fixed chain | staged / best fixed |",
            "|---|---|---|---|---|"]
     for x in r["rows"]:
@@ -238,6 +243,13 @@ def render() -> str:
     if r:
         parts += section_temperature(r)
         parts += _plot("temperature.png", "tokens/s against temperature")
+    sweeps = [r for r in (_load(f"sweep_{m}_avx2.json") for m in ("greedy", "topp", "sampled")) if r is not None]
+    if sweeps:
+        parts += section_sweep(sweeps, "_avx2", " on an AVX2-only machine")
+    r = _load("temperature_avx2.json")
+    if r:
+        parts += section_temperature(r, "temperature_avx2.json", " on an AVX2-only machine")
+        parts += _plot("temperature_avx2.png", "AVX2: tokens/s against temperature")
     for name, fn in (("plain_vs_hf.json", section_plain_vs_hf), ("forward_cost.json", section_forward_cost),
                      ("forward_cost_draft.json", section_forward_cost)):
         r = _load(name) if name not in _OLD_CODE else None
