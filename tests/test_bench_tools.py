@@ -237,3 +237,15 @@ def test_the_readme_results_are_made_from_the_result_files(tmp_path, monkeypatch
     assert report.main(["--check"]) == 1
     assert readme.read_text(encoding="utf-8") == before
     assert report.main([]) == 0 and readme.read_text(encoding="utf-8") == text
+
+
+def test_plots_draw_the_second_machines_temperature_run_beside_the_first(tmp_path):
+    pytest.importorskip("matplotlib")
+    plots = _bench_module("plots")
+
+    _tiny_results(str(tmp_path))
+    os.rename(tmp_path / "temperature.json", tmp_path / "temperature_avx2.json")
+    assert plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")]) == 0
+    assert "temperature_avx2.png" in os.listdir(tmp_path / "png")
+    assert "temperature.png" not in os.listdir(tmp_path / "png")
+
