@@ -278,6 +278,8 @@ def render() -> str:
                         ("dsbd_fixed_w8_topk_avx2.json", "DSBD with a fixed width, W = 8, T 1 / top-k 50, AVX2"),
                         ("idle_gap_avx2.json", "A forward pass after idle time, AVX2 (`staged-engine bench idle-gap "
                          "--out idle_gap_avx2.json`)"),
+                        ("widening_avx2.json", "What a row costs over float16 weights, AVX2 (`staged-engine bench "
+                         "widening --out widening_avx2.json`)"),
                         ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
