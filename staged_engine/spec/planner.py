@@ -491,8 +491,14 @@ class Stints:
         self.plan = [best] * (self.first_stint if unseen else self.stint) + check
 
     def state(self) -> dict:
-        """What outlives the process (``save_memory``): the scores and how sure they are."""
-        return {"arms": self.n_arms, "score": list(self.score), "pairs": list(self.pairs),
+        """What outlives the process (``save_memory``): the scores and how sure they are. An arm
+        a restored memory had compared and this process has not checked yet keeps its kept score,
+        which comparisons made: it counts as compared once, so that a memory saved in the middle
+        of the checks after a restore (the demo's processes end there) is read as it was kept,
+        not as one whose arms were never compared (``_confirm`` leaves only compared arms to the
+        usual checks)."""
+        pairs = [p if p else int(c) for p, c in zip(self.pairs, self.kept_compared)]
+        return {"arms": self.n_arms, "score": list(self.score), "pairs": pairs,
                 "rounds": list(self.rounds), "favoured": self.favoured, "stint": self.stint}
 
     def restore(self, state: dict) -> None:
@@ -536,7 +542,7 @@ class Stints:
     def summary(self, names: list[str] | None = None) -> dict:
         names = names or [str(a) for a in range(self.n_arms)]
         return {"favoured": names[self.favoured if self.favoured is not None else self.arm],
-                "stint_blocks": self.stint, "stint_cuts": self.cuts,
+                "stint_blocks": self.stint, "stint_cuts": self.cuts, "restore_deferred": self.deferred,
                 "arms": {names[a]: {"rounds": self.rounds[a], "rate_vs_plain": round(math.exp(self.score[a]), 3),
                                     "pairs": self.pairs[a]} for a in range(self.n_arms)}}
 

@@ -519,6 +519,31 @@ def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
         assert again.deferred == 0
 
 
+def test_a_memory_saved_before_its_checks_after_a_restore_is_kept_as_it_was():
+    """A short process (the demo's) ends before every arm is checked again after a restore. What
+    it saves still counts those arms as compared (their scores are the kept ones), so the next
+    restore leaves the one kept far behind to the usual checks once the first check agrees,
+    as the first restore would have."""
+    import math
+
+    st = Stints(arms=5)
+    st.score, st.pairs, st.rounds = [0.0, 0.05, -0.3, 0.2, 0.1], [6, 2, 2, 2, 2], [96, 32, 32, 32, 32]
+    st.stint, st.favoured = 8, 3
+    short = Stints(arms=5)
+    short.restore(json.loads(json.dumps(st.state())))
+    for _ in range(8):  # half the favourite's first block: no arm checked again yet
+        short.record(1, 1.0 / math.exp(st.score[short.arm]))
+    kept = json.loads(json.dumps(short.state()))
+    assert kept["pairs"] == [1] * 5 and kept["score"] == st.score
+    again = Stints(arms=5)
+    again.restore(kept)
+    played = []
+    for _ in range(600):
+        played.append(again.arm)
+        again.record(1, 1.0 / math.exp(st.score[played[-1]]))
+    assert 2 not in played and again.deferred == 1 and again.summary()["restore_deferred"] == 1
+
+
 def _restored_share(before: dict, after: dict, rounds: int = 2000) -> float:
     """Stints that learned 6,000 rounds on a machine where the arms ran at ``before`` (rate over
     plain's), kept and restored, then ``rounds`` rounds where they run at ``after``: the rate
