@@ -287,7 +287,7 @@ class Stints:
     An arm with no pair yet (a memory kept before its first comparisons were done) is the next
     challenger, after a first stint's worth of the best arm, whatever the stint has grown to.
     After a restore every arm is one, until the first check says whether the memory still holds
-    (``_confirm``): if it does, the arms it kept more than ``far`` behind wait for the usual checks.
+    (``_confirm``): if it does, the arms it kept more than ``defer`` behind wait for the usual checks.
     A favoured drafting arm's blocks are also read for their tokens per round (``_watch``): a
     yield that says it has fallen behind plain steps cuts its stint short. A drafting arm's first
     look and a check of a challenger scored more than ``far`` behind run a quarter block
@@ -298,7 +298,8 @@ class Stints:
 
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
                  max_stint: int = 32, bonus: float = 0.1, tie: float = 0.05, drop: float = 0.1,
-                 far: float = 0.2, agree: float = 0.1, draftless: tuple[int, ...] = ()) -> None:
+                 far: float = 0.2, agree: float = 0.1, defer: float = 0.1,
+                 draftless: tuple[int, ...] = ()) -> None:
         if arms < 2:
             raise ValueError(f"arms must be at least 2 (plain and one drafting arm), got {arms}")
         self.draftless = frozenset(draftless)  # arms that never run the draft: none goes cold
@@ -307,7 +308,10 @@ class Stints:
         self.tie = tie
         # After a restore: the scores kept, until the first check of an arm compared there says
         # whether they still hold (within ``agree`` in log rate: ``_confirm``); and which arms were.
-        self.agree = agree
+        # Confirmed, the arms kept more than ``defer`` behind the kept best wait for the usual
+        # checks: a challenger within 10% may win on the next drift (``_schedule``), one further
+        # behind seldom does.
+        self.agree, self.defer = agree, defer
         self.kept: list[float] | None = None
         self.kept_compared = [False] * arms
         self.deferred = 0  # arms a confirmed memory left to the usual checks
@@ -434,17 +438,17 @@ class Stints:
         """The first check after a restore of an arm the kept memory had compared: its pair said
         log(rate / plain's) = ``ratio``. Within ``agree`` of the kept score, the memory still
         holds (the same machine in the same state, the same kind of text): the arms kept more
-        than ``far`` behind the kept best are left to the usual checks, which come seldom for
+        than ``defer`` behind the kept best are left to the usual checks, which come seldom for
         them, instead of each costing a block, the draft's catch-up and a cold round now (in the
         demo's sampled half, where every drafting arm trails plain steps, those re-checks held
-        the restored runs at 0.95x plain). Further off, something changed and every arm is
+        the restored runs at 0.96x plain). Further off, something changed and every arm is
         checked again once, as a restore does by default."""
         kept, self.kept = self.kept, None
         if abs(ratio - kept[a]) > self.agree:
             return
         best = max(kept)
         for b in range(1, self.n_arms):
-            if self.pairs[b] == 0 and self.kept_compared[b] and math.exp(kept[b] - best) < 1.0 - self.far:
+            if self.pairs[b] == 0 and self.kept_compared[b] and math.exp(kept[b] - best) < 1.0 - self.defer:
                 self.pairs[b] = 1  # its kept score stands, as one comparison's worth
                 self.deferred += 1
 

@@ -492,11 +492,11 @@ def test_arms_a_kept_memory_never_compared_are_checked_soon_after_restore():
 @pytest.mark.parametrize("first_check", [1.0, 0.8, 1.25])
 def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
     """After a restore the arms are compared again, in the order of the scores kept: the arms
-    kept nearest the best first. The first check (arm 4, the best kept after the favourite) says
-    whether the memory still holds: if it finds arm 4's kept rate again, the arm kept far behind
-    (2, at 0.61 of the best) is left to the usual rare checks, so a short process never pays for
-    it; if arm 4 now runs at 0.8 or 1.25 times its kept rate, every arm is checked again once,
-    the far one last."""
+    kept nearest the best first. The first check (arm 4, the best kept after the favourite, at
+    0.90 of its rate) says whether the memory still holds: if it finds arm 4's kept rate again,
+    the arms kept more than 10% behind (1 and 2, at 0.86 and 0.61 of the best) are left to the
+    usual checks, so a short process never pays for them; if arm 4 now runs at 0.8 or 1.25 times
+    its kept rate, every arm is checked again once, the far one last."""
     import math
 
     st = Stints(arms=5)
@@ -512,8 +512,8 @@ def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
         again.record(1, 1.0 / (now * math.exp(st.score[arm])))  # every other arm runs at its kept rate
     assert played[0] == 3
     if first_check == 1.0:
-        assert sorted((1, 4), key=played.index) == [4, 1] and 2 not in played
-        assert again.deferred == 1
+        assert 4 in played and 1 not in played and 2 not in played
+        assert again.deferred == 2
     else:
         assert sorted((1, 2, 4), key=played.index) == [4, 1, 2] and played.index(2) < 16 * 12
         assert again.deferred == 0
@@ -522,8 +522,8 @@ def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
 def test_a_memory_saved_before_its_checks_after_a_restore_is_kept_as_it_was():
     """A short process (the demo's) ends before every arm is checked again after a restore. What
     it saves still counts those arms as compared (their scores are the kept ones), so the next
-    restore leaves the one kept far behind to the usual checks once the first check agrees,
-    as the first restore would have."""
+    restore leaves those kept more than 10% behind to the usual checks once the first check
+    agrees, as the first restore would have."""
     import math
 
     st = Stints(arms=5)
@@ -541,7 +541,8 @@ def test_a_memory_saved_before_its_checks_after_a_restore_is_kept_as_it_was():
     for _ in range(600):
         played.append(again.arm)
         again.record(1, 1.0 / math.exp(st.score[played[-1]]))
-    assert 2 not in played and again.deferred == 1 and again.summary()["restore_deferred"] == 1
+    assert 1 not in played and 2 not in played and again.deferred == 2
+    assert again.summary()["restore_deferred"] == 2
 
 
 def _restored_share(before: dict, after: dict, rounds: int = 2000) -> float:
