@@ -314,6 +314,7 @@ class Stints:
         self.agree, self.defer = agree, defer
         self.kept: list[float] | None = None
         self.kept_compared = [False] * arms
+        self.kept_stint = first_stint
         self.deferred = 0  # arms a confirmed memory left to the usual checks
         self.score = [0.0] * arms  # running log(rate / plain rate), from adjacent pairs
         self.pairs = [0] * arms  # adjacent pairs each arm took part in
@@ -442,7 +443,7 @@ class Stints:
         them, instead of each costing a block, the draft's catch-up and a cold round now (in the
         demo's sampled half, where every drafting arm trails plain steps, those re-checks held
         the restored runs at 0.96x plain). Further off, something changed and every arm is
-        checked again once, as a restore does by default."""
+        checked again once, as a restore does by default, its stint ramping up from a first one."""
         kept, self.kept = self.kept, None
         if abs(ratio - kept[a]) > self.agree:
             return
@@ -451,6 +452,10 @@ class Stints:
             if self.pairs[b] == 0 and self.kept_compared[b] and math.exp(kept[b] - best) < 1.0 - self.defer:
                 self.pairs[b] = 1  # its kept score stands, as one comparison's worth
                 self.deferred += 1
+        # The stint the memory had grown to resumes once the arms still unchecked are done: a
+        # short process no longer restarts the checks' ramp from a first stint (every check of
+        # it a block, a catch-up and a cold round: the demo's halves are 576 tokens).
+        self.stint = max(self.stint, self.kept_stint)
 
     def _schedule(self) -> None:
         """A plan ran out: a stint of the best arm, then a check, which ends with a block of
@@ -538,6 +543,7 @@ class Stints:
         self.score, self.rounds = [float(v) for v in score], list(rounds)
         self.pairs = [0] * self.n_arms
         self.kept, self.kept_compared = list(self.score), [p > 0 for p in pairs]
+        self.kept_stint = stint
         self.favoured, self.stint = None, self.first_stint  # _schedule keeps it while nothing is favoured
         self.prev_arm, self.tokens, self.seconds = -1, 0.0, 0.0
         self._schedule()
