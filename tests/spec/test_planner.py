@@ -489,14 +489,15 @@ def test_arms_a_kept_memory_never_compared_are_checked_soon_after_restore():
     assert max(range(5), key=lambda a: again.score[a]) == 3 and played[-1] == 3
 
 
-@pytest.mark.parametrize("first_check", [1.0, 0.8, 1.25])
+@pytest.mark.parametrize("first_check", [1.0, 0.9, 0.7, 1.4])
 def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
     """After a restore the arms are compared again, in the order of the scores kept: the arms
     kept nearest the best first. The first check (arm 4, the best kept after the favourite, at
     0.90 of its rate) says whether the memory still holds: if it finds arm 4's kept rate again,
     the arms kept more than 10% behind (1 and 2, at 0.86 and 0.61 of the best) are left to the
-    usual checks, so a short process never pays for them; if arm 4 now runs at 0.8 or 1.25 times
-    its kept rate, every arm is checked again once, the far one last."""
+    usual checks, so a short process never pays for them, also when arm 4 runs at 0.9 times its
+    kept rate (one block's noise); if it now runs at 0.7 or 1.4 times its kept rate, every arm is
+    checked again once, the far one last."""
     import math
 
     st = Stints(arms=5)
@@ -511,9 +512,11 @@ def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
         now = first_check if arm == 4 else 1.0
         again.record(1, 1.0 / (now * math.exp(st.score[arm])))  # every other arm runs at its kept rate
     assert played[0] == 3
-    if first_check == 1.0:
-        assert 4 in played and 1 not in played and 2 not in played
-        assert again.deferred == 2
+    if first_check in (1.0, 0.9):
+        assert 4 in played and 2 not in played and again.deferred == 2
+        # Arm 1 waits for the usual checks: never at the kept rates; at 0.9, once arm 4's score
+        # has fallen to arm 1's, it may be the challenger of one
+        assert first_check == 0.9 or 1 not in played
     else:
         assert sorted((1, 2, 4), key=played.index) == [4, 1, 2] and played.index(2) < 16 * 12
         assert again.deferred == 0
