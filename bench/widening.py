@@ -192,7 +192,12 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as d:
-        done = subprocess.run([build(d)], check=True, capture_output=True, text=True)
+        try:
+            exe = build(d)
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            print(f"cannot build the bench's loop here: {exc}", file=sys.stderr)
+            return 2
+        done = subprocess.run([exe], check=True, capture_output=True, text=True)
     result = {"benchmark": "what a row costs over float16 weights", "machine": info,
               "ns_per_vector": parse(done.stdout)}
     publish(result, table(result), args.out)

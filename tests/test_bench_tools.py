@@ -266,3 +266,18 @@ def test_the_widening_bench_reads_its_loops_output_and_tables_the_cost_of_each_r
     assert "| 1.00 | 1.50 (+0.50) | 2.00 (+0.50) | 2.50 (+0.50) | 1.00x |" in rows["f16c"]
     assert "| 1.50 | 1.75 (+0.25) |" in rows["f16c_128"] and rows["f16c_128"].endswith("| 1.50x |")
     assert rows["fp32"].endswith("| 0.40x |")
+
+
+def test_the_widening_bench_says_why_when_it_cannot_build_its_loop(monkeypatch, capsys):
+    sys.path.insert(0, BENCH)
+    try:
+        widening = _bench_module("widening")
+    finally:
+        sys.path.remove(BENCH)
+    monkeypatch.setattr(widening, "machine", lambda: {"vector_extensions": ["avx", "avx2", "f16c", "fma"]})
+    monkeypatch.setattr(widening.shutil, "which", lambda name: None)
+    assert widening.main([]) == 2
+    assert "no C++ compiler" in capsys.readouterr().err
+    monkeypatch.setattr(widening, "machine", lambda: {"vector_extensions": ["avx"]})
+    assert widening.main([]) == 2
+    assert "lacks avx2, fma, f16c" in capsys.readouterr().err
