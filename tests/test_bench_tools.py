@@ -12,11 +12,16 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bench_module(name: str):
-    """bench/<name>.py by path: putting bench/ on sys.path would let bench/kernels.py shadow
-    the kernels package for the rest of the session."""
+    """bench/<name>.py by path, with bench/ on sys.path only while it loads (for its imports of
+    bench/common.py): left there, bench/kernels.py would shadow the kernels package for the
+    rest of the session."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, BENCH)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(BENCH)
     return module
 
 
@@ -121,21 +126,13 @@ def test_every_result_names_the_native_kernels_it_timed():
                                          (["--gaps", "0", "-5"], "--gaps must be >= 0"),
                                          (["--models", "/nonexistent"], "no config.json")])
 def test_the_idle_gap_bench_refuses_bad_arguments_by_name(argv, needle):
-    sys.path.insert(0, BENCH)  # idle_gap imports bench/common.py
-    try:
-        idle_gap = _bench_module("idle_gap")
-        with pytest.raises((ValueError, FileNotFoundError), match=needle):
-            idle_gap.main(argv)
-    finally:
-        sys.path.remove(BENCH)
+    idle_gap = _bench_module("idle_gap")
+    with pytest.raises((ValueError, FileNotFoundError), match=needle):
+        idle_gap.main(argv)
 
 
 def test_the_idle_gap_table_reports_each_gap_against_the_first():
-    sys.path.insert(0, BENCH)
-    try:
-        idle_gap = _bench_module("idle_gap")
-    finally:
-        sys.path.remove(BENCH)
+    idle_gap = _bench_module("idle_gap")
     model = {"pass_us": {"0": 600.0, "500": 750.0}, "ratio_to_first_gap": {"0": 1.0, "500": 1.25}}
     result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx2"]}, "threads": 2, "context": 200,
               "repeats": 4, "gaps_us": [0, 500], "models": {"oracle": model}}
@@ -155,11 +152,7 @@ def _roofline_model(ms: float, widening_ms: float | None) -> dict:
 
 
 def test_the_roofline_table_shows_the_widening_bound_of_fp16_packed_models_only():
-    sys.path.insert(0, BENCH)  # roofline imports bench/common.py
-    try:
-        roofline = _bench_module("roofline")
-    finally:
-        sys.path.remove(BENCH)
+    roofline = _bench_module("roofline")
     result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx2"]}, "threads": 2, "rounds": 5,
               "dram_read_GBps": 21.1, "gemm_GFLOPs": 68.0, "widening_GBps": 26.9,
               "models": {"oracle": _roofline_model(0.911, 0.625), "draft": _roofline_model(0.076, None)}}
@@ -180,11 +173,7 @@ def test_the_roofline_table_shows_the_widening_bound_of_fp16_packed_models_only(
 
 
 def test_passes_on_the_float32_packing_are_held_to_its_stream_not_the_widening():
-    sys.path.insert(0, BENCH)
-    try:
-        roofline = _bench_module("roofline")
-    finally:
-        sys.path.remove(BENCH)
+    roofline = _bench_module("roofline")
     ref = roofline.widening_reference
     assert ref(4, compute=0.3, bound_bw=0.5, bound_widen=0.6, float32_from=8) == 0.6 + 0.3
     assert ref(4, compute=0.3, bound_bw=1.5, bound_widen=0.6, float32_from=None) == 1.5
@@ -200,11 +189,7 @@ def test_passes_on_the_float32_packing_are_held_to_its_stream_not_the_widening()
 
 
 def test_the_linear_table_shows_what_widening_adds_to_fp32_packing():
-    sys.path.insert(0, BENCH)
-    try:
-        linear = _bench_module("linear")
-    finally:
-        sys.path.remove(BENCH)
+    linear = _bench_module("linear")
     rows = {str(n): {"fp16_us": 100.0 + 10 * n, "fp16_over_bound": 1.5, "torch_fp32_us": 300.0,
                      "fp32_packed_us": 80.0 + 10 * n} for n in linear.ROWS}
     shape = {"params": 0.9e6, "packed_bytes": 1.8e6, "read_bandwidth_GBps": 100.0, "rows": rows,
@@ -251,11 +236,7 @@ def test_plots_draw_the_second_machines_temperature_run_beside_the_first(tmp_pat
 
 
 def test_the_widening_bench_reads_its_loops_output_and_tables_the_cost_of_each_row():
-    sys.path.insert(0, BENCH)  # widening imports bench/common.py
-    try:
-        widening = _bench_module("widening")
-    finally:
-        sys.path.remove(BENCH)
+    widening = _bench_module("widening")
     lines = []
     for form, one, step in (("f16c", 1.0, 0.5), ("f16c_128", 1.5, 0.25), ("integer", 1.2, 0.5), ("fp32", 0.4, 0.4)):
         lines += [f"{form} {r} {one + step * (r - 1):.6f} 12.5" for r in widening.ROWS]
@@ -269,11 +250,7 @@ def test_the_widening_bench_reads_its_loops_output_and_tables_the_cost_of_each_r
 
 
 def test_the_widening_bench_says_why_when_it_cannot_build_its_loop(monkeypatch, capsys):
-    sys.path.insert(0, BENCH)
-    try:
-        widening = _bench_module("widening")
-    finally:
-        sys.path.remove(BENCH)
+    widening = _bench_module("widening")
     monkeypatch.setattr(widening, "machine", lambda: {"vector_extensions": ["avx", "avx2", "f16c", "fma"]})
     monkeypatch.setattr(widening.shutil, "which", lambda name: None)
     assert widening.main([]) == 2
