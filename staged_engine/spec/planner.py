@@ -505,15 +505,17 @@ class Stints:
         self.plan = [best] * (self.first_stint if unseen else self.stint) + check
 
     def state(self) -> dict:
-        """What outlives the process (``save_memory``): the scores and how sure they are. An arm
-        a restored memory had compared and this process has not checked yet keeps its kept score,
-        which comparisons made: it counts as compared once, so that a memory saved in the middle
-        of the checks after a restore (the demo's processes end there) is read as it was kept,
-        not as one whose arms were never compared (``_confirm`` leaves only compared arms to the
-        usual checks)."""
+        """What outlives the process (``save_memory``): the scores and how sure they are. A
+        memory saved in the middle of the checks after a restore (the demo's processes end there)
+        is saved as it was kept where this process has not learned otherwise: an arm the kept
+        memory had compared and this process has not checked yet counts as compared once (its
+        score is the kept one), and until the first check the stint is the kept one (``restore``
+        starts each process from a first stint). Saved as never compared and at a first stint,
+        the next restore could not take the memory at its word (``_confirm``)."""
         pairs = [p if p else int(c) for p, c in zip(self.pairs, self.kept_compared)]
+        stint = self.stint if self.kept is None else max(self.stint, self.kept_stint)
         return {"arms": self.n_arms, "score": list(self.score), "pairs": pairs,
-                "rounds": list(self.rounds), "favoured": self.favoured, "stint": self.stint}
+                "rounds": list(self.rounds), "favoured": self.favoured, "stint": stint}
 
     def restore(self, state: dict) -> None:
         """Start from a ``state()`` (ValueError if it is malformed or for other arms): the kept

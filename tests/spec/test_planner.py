@@ -489,6 +489,31 @@ def test_arms_a_kept_memory_never_compared_are_checked_soon_after_restore():
     assert max(range(5), key=lambda a: again.score[a]) == 3 and played[-1] == 3
 
 
+_KEPT_SCORES = [0.0, 0.05, -0.3, 0.2, 0.1]  # log rate over plain: arm 3 best, 4 at 0.90 of it, 1 at 0.86, 2 at 0.61
+
+
+def _kept_five_arms() -> dict:
+    """A kept memory of five arms, as ``save_memory`` writes it: the scores above, every arm
+    compared, arm 3 favoured, a stint of 8 blocks."""
+    st = Stints(arms=5)
+    st.score, st.pairs, st.rounds = list(_KEPT_SCORES), [6, 2, 2, 2, 2], [96, 32, 32, 32, 32]
+    st.stint, st.favoured = 8, 3
+    return json.loads(json.dumps(st.state()))
+
+
+def _play(st: Stints, rounds: int, now: dict[int, float] | None = None) -> list[int]:
+    """The arms ``st`` plays over ``rounds`` rounds where every arm runs at its kept rate, times
+    ``now[arm]`` where given (no noise)."""
+    import math
+
+    played = []
+    for _ in range(rounds):
+        arm = st.arm
+        played.append(arm)
+        st.record(1, 1.0 / ((now or {}).get(arm, 1.0) * math.exp(_KEPT_SCORES[arm])))
+    return played
+
+
 @pytest.mark.parametrize("first_check", [1.0, 0.9, 0.7, 1.4])
 def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
     """After a restore the arms are compared again, in the order of the scores kept: the arms
@@ -498,19 +523,9 @@ def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
     usual checks, so a short process never pays for them, also when arm 4 runs at 0.9 times its
     kept rate (one block's noise); if it now runs at 0.7 or 1.4 times its kept rate, every arm is
     checked again once, the far one last."""
-    import math
-
-    st = Stints(arms=5)
-    st.score, st.pairs, st.rounds = [0.0, 0.05, -0.3, 0.2, 0.1], [6, 2, 2, 2, 2], [96, 32, 32, 32, 32]
-    st.stint, st.favoured = 8, 3
     again = Stints(arms=5)
-    again.restore(json.loads(json.dumps(st.state())))
-    played = []
-    for _ in range(600):
-        arm = again.arm
-        played.append(arm)
-        now = first_check if arm == 4 else 1.0
-        again.record(1, 1.0 / (now * math.exp(st.score[arm])))  # every other arm runs at its kept rate
+    again.restore(_kept_five_arms())
+    played = _play(again, 600, {4: first_check})
     assert played[0] == 3
     if first_check in (1.0, 0.9):
         assert 4 in played and 2 not in played and again.deferred == 2
@@ -524,28 +539,22 @@ def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
 
 def test_a_memory_saved_before_its_checks_after_a_restore_is_kept_as_it_was():
     """A short process (the demo's) ends before every arm is checked again after a restore. What
-    it saves still counts those arms as compared (their scores are the kept ones), so the next
-    restore leaves those kept more than 10% behind to the usual checks once the first check
-    agrees, as the first restore would have."""
-    import math
-
-    st = Stints(arms=5)
-    st.score, st.pairs, st.rounds = [0.0, 0.05, -0.3, 0.2, 0.1], [6, 2, 2, 2, 2], [96, 32, 32, 32, 32]
-    st.stint, st.favoured = 8, 3
+    it saves is what it restored (scores, every arm counted as compared, the stint), so the next
+    process plays exactly as a restore of the original memory does: the reference is that first
+    restore, not a schedule written out here."""
+    kept = _kept_five_arms()
+    first = Stints(arms=5)
+    first.restore(kept)
+    played_first = _play(first, 600)
     short = Stints(arms=5)
-    short.restore(json.loads(json.dumps(st.state())))
-    for _ in range(8):  # half the favourite's first block: no arm checked again yet
-        short.record(1, 1.0 / math.exp(st.score[short.arm]))
-    kept = json.loads(json.dumps(short.state()))
-    assert kept["pairs"] == [1] * 5 and kept["score"] == st.score
+    short.restore(kept)
+    _play(short, 8)  # half the favourite's first block: no arm checked again yet
+    saved = json.loads(json.dumps(short.state()))
+    assert saved["score"] == kept["score"] and saved["stint"] == kept["stint"] and all(saved["pairs"])
     again = Stints(arms=5)
-    again.restore(kept)
-    played = []
-    for _ in range(600):
-        played.append(again.arm)
-        again.record(1, 1.0 / math.exp(st.score[played[-1]]))
-    assert 1 not in played and 2 not in played and again.deferred == 2
-    assert again.summary()["restore_deferred"] == 2
+    again.restore(saved)
+    assert _play(again, 600) == played_first
+    assert again.deferred == first.deferred == 2 and again.summary()["restore_deferred"] == 2
 
 
 def _restored_share(before: dict, after: dict, rounds: int = 2000) -> float:
