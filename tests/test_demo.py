@@ -111,6 +111,8 @@ def test_demo_command_runs():
 def test_generate_with_ids_names_a_word_that_is_no_token_id(capsys):
     from staged_engine.cli.main import main
 
-    assert main(["generate", "--prompt", "1, 2 x", "--ids", "--max-new-tokens", "2"]) == 2
-    assert "with --ids the prompt must be token ids" in capsys.readouterr().err
+    for prompt, bad in (("1, 2 x", "'x'"), ("1 --5", "'--5'"), ("1 \u00b2", "'\u00b2'")):
+        assert main(["generate", "--prompt", prompt, "--ids", "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert "with --ids the prompt must be token ids" in err and bad in err, (prompt, err)
     assert main(["generate", "--prompt", "1, 2 3", "--ids", "--max-new-tokens", "2", "--strategy", "plain"]) == 0

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from staged_engine import server
@@ -130,7 +131,7 @@ def _cmd_generate(args) -> int:
         raise ValueError("--prompt or --prompt-file is required")
     if args.ids:
         words = prompt.replace(",", " ").split()
-        bad = [w for w in words if not w.lstrip("+-").isdigit()]
+        bad = [w for w in words if not re.fullmatch(r"[+-]?[0-9]+", w)]
         if bad:
             raise ValueError(f"with --ids the prompt must be token ids separated by spaces or commas, got {bad[0]!r}")
         prompt = [int(x) for x in words]
