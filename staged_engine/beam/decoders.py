@@ -99,11 +99,10 @@ def check_fits(num_beams: int, runners: list[tuple[GPT2, int, int]]) -> None:
     ValueError naming ``num_beams``, not the allocator's failure a step later (``num_beams``
     10**6 on the demo pair asked for 33-41 GB at once)."""
     model = runners[0][0]
-    size = model.wte.weight.element_size()
     need = 2 * num_beams * model.config.vocab_size * 4
     for m, rows, slots in runners:
         c = m.config
-        need += 2 * c.n_layer * rows * (c.n_positions + slots) * c.n_embd * size  # K and V
+        need += 2 * c.n_layer * rows * (c.n_positions + slots) * c.n_embd * m.wte.weight.element_size()  # K and V
     have = device_memory(model.wte.weight.device)
     if have and need > have:
         raise ValueError(f"num_beams={num_beams} needs at least {need / 1e9:.1f} GB for its K/V cache and "
