@@ -40,15 +40,21 @@ def _cpu_has_avx2() -> bool:
     return {"avx2", "fma", "f16c"} <= set(flags)
 
 
+# Python's own build flags carry -g: with it the native decode path's module was 27 MB, 26 of them
+# debug sections, and hashing it for the cost profile's key (``spec.cost.native_build``) took
+# 27 ms of a process's first speculative request. The code is the same without them (GCC's -g
+# does not change what it generates). STAGED_ENGINE_DEBUG_INFO=1 builds with them, for a debugger.
+NO_DEBUG_INFO = [] if os.environ.get("STAGED_ENGINE_DEBUG_INFO") == "1" else ["-g0"]
+
 ext_modules = []
 if _sources("ngram*.cpp"):
     ext_modules.append(CppExtension(
         name="staged_engine._ngram", sources=_sources("ngram*.cpp"),
-        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"]))
+        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden", *NO_DEBUG_INFO]))
 if _sources("cpu_*.cpp") and os.environ.get("STAGED_ENGINE_NO_CPU_EXT", "0") == "0" and _cpu_has_avx2():
     ext_modules.append(CppExtension(  # csrc/cpu_kernels.cpp, cpu_forward.cpp, cpu_sampling.cpp (cpu_*.h)
         name="staged_engine._cpu", sources=_sources("cpu_*.cpp"),
-        extra_compile_args=["-O3", "-std=c++17", "-march=native", "-fopenmp", "-fvisibility=hidden"],
+        extra_compile_args=["-O3", "-std=c++17", "-march=native", "-fopenmp", "-fvisibility=hidden", *NO_DEBUG_INFO],
         extra_link_args=["-fopenmp"]))
 
 setup(
