@@ -12,6 +12,8 @@ hold them), best of 7 runs, one thread, in four forms:
 - ``f16c_128``: the same in 128-bit halves (VCVTPH2PS xmm, 128-bit FMAs);
 - ``integer``: the widening done with integer ops (sign-extend, shift, mask), exact for finite
   halves when the activations are scaled by 2^112: a form that stays off F16C's unit;
+- ``mixed``: one weight vector in 4 widened with the integer ops, the rest with F16C: where the
+  two run on different pipes, the widening's work is shared between them;
 - ``fp32``: float32 weights (no widening, twice the bytes): the FMAs alone.
 
 Reports nanoseconds per 8 weights (one vector) and the cost of each row beyond the first, and
@@ -31,7 +33,7 @@ import tempfile
 from common import machine, publish
 
 ROWS = (1, 2, 3, 4)
-FORMS = ("f16c", "f16c_128", "integer", "fp32")
+FORMS = ("f16c", "f16c_128", "integer", "mixed", "fp32")
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -46,7 +48,7 @@ SOURCE = r"""
 template <int NR>
 constexpr int kVectors = NR <= 3 ? 4 : 2;
 
-template <int NR, int FORM>  // FORM: 0 f16c, 2 integer, 3 fp32
+template <int NR, int FORM>  // FORM: 0 f16c, 2 integer, 3 fp32, 4 mixed (every 4th vector integer)
 __attribute__((noinline)) float run256(const uint16_t* h, const float* f, const float* x, int K, int reps) {
   constexpr int V = kVectors<NR>;
   __m256 acc[NR][V];
@@ -65,7 +67,7 @@ __attribute__((noinline)) float run256(const uint16_t* h, const float* f, const 
           w = _mm256_loadu_ps(q + j * 8);
         } else {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * 8));
-          if (FORM == 2) w = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(_mm256_cvtepi16_epi32(b), 13), mask));
+          if (FORM == 2 || (FORM == 4 && (k * V + j) % 4 == 3)) w = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(_mm256_cvtepi16_epi32(b), 13), mask));
           else w = _mm256_cvtph_ps(b);
         }
         for (int r = 0; r < NR; ++r) acc[r][j] = _mm256_fmadd_ps(w, xv[r], acc[r][j]);
@@ -125,6 +127,7 @@ void rows(const uint16_t* h, const float* f, const float* x, int reps) {
   one("f16c", NR, [&] { return run256<NR, 0>(h, f, x, K, reps); }, vectors);
   one("f16c_128", NR, [&] { return run128<NR>(h, f, x, K, reps); }, vectors);
   one("integer", NR, [&] { return run256<NR, 2>(h, f, x, K, reps); }, vectors);
+  one("mixed", NR, [&] { return run256<NR, 4>(h, f, x, K, reps); }, vectors);
   // float32: the same 16 KiB, half the weights, twice the passes
   one("fp32", NR, [&] { return run256<NR, 3>(h, f, x, K / 2, 2 * reps); }, vectors);
 }
