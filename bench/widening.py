@@ -175,7 +175,7 @@ def table(result: dict) -> str:
              "adds:\n",
              "| form | " + " | ".join(f"{r} row{'s' if r > 1 else ''}" for r in ROWS) + " | against f16c, 1 row |",
              "|---|" + "---|" * (len(ROWS) + 1)]
-    for form in FORMS:
+    for form in (f for f in FORMS if ns.get(f)):  # a result kept before a form was added has none of it
         cells = []
         for r in ROWS:
             extra = (ns[form][r] - ns[form][1]) / (r - 1) if r > 1 else None

@@ -238,7 +238,8 @@ def test_plots_draw_the_second_machines_temperature_run_beside_the_first(tmp_pat
 def test_the_widening_bench_reads_its_loops_output_and_tables_the_cost_of_each_row():
     widening = _bench_module("widening")
     lines = []
-    for form, one, step in (("f16c", 1.0, 0.5), ("f16c_128", 1.5, 0.25), ("integer", 1.2, 0.5), ("fp32", 0.4, 0.4)):
+    for form, one, step in (("f16c", 1.0, 0.5), ("f16c_128", 1.5, 0.25), ("integer", 1.2, 0.5), ("mixed", 0.9, 0.3),
+                            ("fp32", 0.4, 0.4)):
         lines += [f"{form} {r} {one + step * (r - 1):.6f} 12.5" for r in widening.ROWS]
     ns = widening.parse("\n".join(lines) + "\n")
     assert ns["f16c"] == {1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5} and ns["fp32"][4] == pytest.approx(1.6)
@@ -247,6 +248,11 @@ def test_the_widening_bench_reads_its_loops_output_and_tables_the_cost_of_each_r
     assert "| 1.00 | 1.50 (+0.50) | 2.00 (+0.50) | 2.50 (+0.50) | 1.00x |" in rows["f16c"]
     assert "| 1.50 | 1.75 (+0.25) |" in rows["f16c_128"] and rows["f16c_128"].endswith("| 1.50x |")
     assert rows["fp32"].endswith("| 0.40x |")
+    assert "| 0.90 | 1.20 (+0.30) |" in rows["mixed"] and rows["mixed"].endswith("| 0.90x |")
+    # a result kept before a form was added tables the forms it has
+    del ns["mixed"]
+    md = widening.table({"machine": {"cpu": "Test CPU", "isa": "avx2"}, "ns_per_vector": ns})
+    assert "| mixed |" not in md and "| fp32 | 0.40 |" in md
 
 
 def test_the_widening_bench_says_why_when_it_cannot_build_its_loop(monkeypatch, capsys):
