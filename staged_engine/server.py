@@ -15,6 +15,7 @@ Built on FastAPI/Starlette and uvicorn; imported only by ``serve``.
 """
 
 import json
+import sys
 import threading
 import time
 import uuid
@@ -300,6 +301,14 @@ def serve(engine: Engine, host: str, port: int, model_name: str, max_queue: int,
                 self._captured_signals.remove(sig)
 
     _bound_malloc_arenas()
+    # Before the first request, not inside it: the models' packing and cost profiles
+    # (Engine.warm_up; the first request otherwise waits ~0.3 s for them, seconds on a machine
+    # that has not measured them yet).
+    print("staged-engine serve: preparing the models ...", file=sys.stderr, flush=True)
+    ready = engine.warm_up()
+    sources = ", ".join(f"{k} {v}" for k, v in ready["profiles"].items())
+    print(f"staged-engine serve: ready in {ready['seconds']:.1f} s (forward costs: {sources})",
+          file=sys.stderr, flush=True)
     app = create_app(engine, model_name, max_queue, timeout)
     _freeze_startup_heap()
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=drain_seconds)

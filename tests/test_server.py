@@ -220,3 +220,22 @@ def test_the_startup_heap_is_frozen_and_released_at_exit(model_dirs):
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) > 10_000  # torch alone brings ~150k tracked objects
     assert "leaked" not in done.stderr, done.stderr
+
+
+def test_serve_prepares_the_models_before_it_accepts_requests(model_dirs, tmp_path, monkeypatch, capsys):
+    """``serve`` packs the models and loads or measures their cost profiles (``Engine.warm_up``)
+    before uvicorn starts accepting requests, and says so on stderr."""
+    import uvicorn
+
+    from staged_engine import server as server_module
+
+    monkeypatch.setenv("STAGED_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setattr(server_module, "_freeze_startup_heap", lambda: None)
+    monkeypatch.setattr(server_module, "_bound_malloc_arenas", lambda *args: None)
+    oracle, draft, ngram = model_dirs
+    eng = Engine.from_pretrained(oracle, draft=draft, ngram=ngram)
+    at_start = {}
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: at_start.update(eng.profile_sources))
+    assert server_module.serve(eng, "127.0.0.1", _free_port(), "m", 4, 30.0) == 0
+    assert at_start == {"oracle": "measured", "draft": "measured"}
+    assert "ready in" in capsys.readouterr().err

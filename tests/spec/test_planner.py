@@ -426,6 +426,34 @@ def test_profile_is_measured_once_then_reused_and_a_bad_file_is_measured_again(p
             assert CostProfile.from_json(json.load(f), profile_key(eng.oracle, eng.backend)).seconds
 
 
+def test_warm_up_leaves_the_first_request_nothing_to_pack_or_measure(pair, cache, monkeypatch):
+    """``Engine.warm_up`` packs every model and loads or measures its profile; the first request
+    after it packs nothing and measures nothing (both would raise here). Without it, the first
+    request does both."""
+    import staged_engine.engine as engine_module
+
+    oracle, draft = pair
+    eng = Engine.from_pretrained(oracle, draft=draft)
+    ready = eng.warm_up()
+    assert ready["profiles"] == {"oracle": "measured", "draft": "measured"} and ready["seconds"] > 0
+    assert Engine.from_pretrained(oracle, draft=draft).warm_up()["profiles"] == {"oracle": "cached",
+                                                                                "draft": "cached"}
+    native = eng.backend.native_rows(eng.oracle) is not None
+    if native:
+        assert eng.backend.packed_bytes(eng.oracle) > 0 and eng.backend.packed_bytes(eng.draft) > 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the first request packed or measured a model")
+
+    monkeypatch.setattr(engine_module, "load_or_measure", refuse)
+    monkeypatch.setattr(type(eng.backend), "_pack", refuse, raising=False)
+    for strategy in ("plain", "chain", "tree"):
+        eng.generate([1, 2, 3], max_new_tokens=8, strategy=strategy)
+    cold = Engine.from_pretrained(oracle, draft=draft)
+    with pytest.raises(AssertionError, match="packed or measured"):
+        cold.generate([1, 2, 3], max_new_tokens=8, strategy="chain")
+
+
 def test_the_profile_key_names_the_native_build_and_its_block_form(pair):
     """A rebuilt extension (other kernels, same package version) or another register-block form
     changes a model's speed: both are in the key, so neither reuses the other's profile."""
