@@ -4,9 +4,10 @@
 the CLI and the server, which pass the same names) into typed configs: the sampling rule
 (``SamplingParams``), and for the speculative strategies a ``SpecConfig`` (the tree shape, whether
 its depth adapts, the n-gram stage), for beams a ``BeamConfig`` (the cache layout and, for DSBD,
-a ``DSBDConfig``). ``OPTIONS`` is the one table of which strategy takes which option; a bad
-value or an option the strategy does not take raises ValueError naming it. What depends on the
-engine's models (is there a draft, an n-gram table) is checked by the engine.
+a ``DSBDConfig``). ``OPTIONS`` (in ``staged_engine.options``, plain data the CLI's parser reads
+too) is the one table of which strategy takes which option; a bad value or an option the
+strategy does not take raises ValueError naming it. What depends on the engine's models (is
+there a draft, an n-gram table) is checked by the engine.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from dataclasses import dataclass
 
 from staged_engine.beam.core import DSBDConfig
 from staged_engine.checks import check_int, is_int
+from staged_engine.options import (DEFAULT_LAYOUT, DSBD_DEFAULTS, LAYOUTS, OPTIONS,  # noqa: F401 (config's names)
+                                   STRATEGIES, TREE_KNOBS)
 from staged_engine.sampling import SamplingParams
 from staged_engine.spec.drafters import TreeShape
 
-STRATEGIES = ("plain", "chain", "tree", "staged", "beam", "dsbd")
 
 # The largest tree each speculative strategy may build. These are limits, not tuned shapes: by
 # default spec.planner.RoundPlanner decides every round, from this machine's measured forward
@@ -32,7 +34,6 @@ SHAPE_LIMITS = {
 }
 # The n-gram stage's mini-tree below the draft's best path: a chain of its 6 likeliest tokens.
 DEFAULT_NGRAM_WIDTHS = (1,) * 6
-TREE_KNOBS = ("budget", "max_depth", "children", "expand")
 # The most context the draft model catches up on at once (``ModelDrafter.window``); None: all.
 # A catch-up (the prompt, or what plain steps left before a drafted round) costs the draft a
 # pass over every token of it; a draft guesses from the text's last few dozen tokens. Demo pair,
@@ -43,23 +44,7 @@ TREE_KNOBS = ("budget", "max_depth", "children", "expand")
 # 1.237x, 0.994 / 1.004 / 1.008 / 0.997x and 0.988 / 1.004 / 1.010 / 0.989x. 64 keeps what a
 # draft reads from a longer context; the outputs never depend on it.
 DEFAULT_DRAFT_WINDOW: int | None = 64
-# Paper defaults (Qin et al., sec. 5): gamma 4, 8 draft beams, threshold 0.7, W_min 1.
-DSBD_DEFAULTS = {"gamma": 4, "draft_width": 8, "threshold": 0.7, "w_min": 1, "dynamic": True,
-                 "memory_mode": False}
-# "tree": one cache row holding the beams' common prefix and a tree of their suffixes and drafts
-# (no padding, no row copies); "rows": one cache row per beam, as in the DSBD paper.
-LAYOUTS = ("tree", "rows")
-DEFAULT_LAYOUT = "tree"
 
-# Which strategy takes which keyword option: the one table the engine and the CLI read.
-OPTIONS: dict[str, tuple[str, ...]] = {
-    "plain": (),
-    "chain": ("chain_length", "adaptive", "draft_window"),
-    "tree": (*TREE_KNOBS, "adaptive", "draft_window"),
-    "staged": (*TREE_KNOBS, "adaptive", "draft_window", "ngram_widths", "ngram_learn"),
-    "beam": ("layout",),
-    "dsbd": ("layout", *DSBD_DEFAULTS, "adaptive"),
-}
 
 
 def _check_bool(name: str, value) -> bool:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import staged_engine
 
 PACKAGE = Path(staged_engine.__file__).resolve().parent
@@ -125,3 +127,35 @@ def test_generation_imports_no_training_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_command_line_answers_help_without_loading_torch():
+    """``staged-engine --help`` and every command's ``--help`` build the parser from plain data
+    (``staged_engine.options``): neither torch nor the C++ extensions load (it took 2.4 s, now a
+    fraction of one); importing the package alone loads neither either."""
+    code = ("import sys, contextlib, io; from staged_engine.cli.main import build_parser, main; build_parser(); "
+            "import staged_engine; "
+            "cmds = ['demo', 'generate', 'profile', 'serve', 'ngram-build', 'train-demo', 'train-pilot', 'bench']; "
+            "codes = []\n"
+            "for argv in [['--help']] + [[c, '--help'] for c in cmds]:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        try: main(argv)\n"
+            "        except SystemExit as e: codes.append(e.code)\n"
+            "print(codes, sorted(m for m in sys.modules if m == 'torch' or m.startswith('staged_engine._')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 0, 0, 0, 0, 0, 0, 0, 0] []"
+
+
+def test_the_package_names_load_on_first_use():
+    """``staged_engine.Engine`` and the other public names resolve lazily, to the real objects."""
+    import staged_engine as pkg
+    from staged_engine.engine import Engine, GenerationResult
+    from staged_engine.ngram import NGramModel
+    from staged_engine.sampling import SamplingParams
+
+    assert (pkg.Engine, pkg.GenerationResult, pkg.SamplingParams, pkg.NGramModel) == (
+        Engine, GenerationResult, SamplingParams, NGramModel)
+    assert set(pkg.__all__) == {"Engine", "GenerationResult", "SamplingParams", "NGramModel"}
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        pkg.nothing  # noqa: B018

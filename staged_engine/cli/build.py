@@ -12,8 +12,7 @@ import sys
 import time
 from typing import Any, Iterator, Sequence
 
-from staged_engine.ngram import NGramModel
-from staged_engine.training import train
+from staged_engine.training import cli as training_cli
 
 _ID_SUFFIXES = (".ids", ".tokens")
 
@@ -125,6 +124,7 @@ def _read_documents(files: Sequence[str], tokenizer: Any, log: Any) -> Iterator[
 
 def run_ngram_build(args: argparse.Namespace) -> int:
     """Run ``ngram-build`` from parsed arguments; returns the exit status."""
+    from staged_engine.ngram import NGramModel  # here, not at import: it loads torch (the parser does not)
 
     def log(msg: str) -> None:
         if not args.quiet:
@@ -161,4 +161,4 @@ def run_ngram_build(args: argparse.Namespace) -> int:
 
 def register_cli(subparsers: Any) -> None:
     _register_ngram_build(subparsers)
-    train.register_cli(subparsers)
+    training_cli.register_cli(subparsers)
