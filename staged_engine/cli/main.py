@@ -7,7 +7,7 @@ import re
 import sys
 
 # Only what building the parser needs is imported here: `staged-engine --help` (and each
-# command's) answers without loading torch, the models or the C++ extensions (0.1 s, not 2.4).
+# command's) answers without loading torch, the models or the C++ extensions (0.2 s, not 2.4).
 from staged_engine.cli import bench, build
 from staged_engine.options import OPTIONS, STRATEGIES
 
@@ -79,6 +79,8 @@ def _cmd_profile(args) -> int:
 def _cmd_serve(args) -> int:
     import os
 
+    from staged_engine import server
+
     for name in ("pool_size", "max_queue"):
         if getattr(args, name) < (1 if name == "pool_size" else 0):
             raise ValueError(f"--{name.replace('_', '-')} must be >= {1 if name == 'pool_size' else 0}")
@@ -88,8 +90,6 @@ def _cmd_serve(args) -> int:
     if eng.tokenizer is None:
         raise ValueError("serve needs a tokenizer.json in the oracle directory")
     name = args.model_name or (os.path.basename(os.path.normpath(args.oracle)) if args.oracle else "staged-engine-demo")
-    from staged_engine import server
-
     return server.serve(eng, args.host, args.port, name, args.max_queue, args.timeout, args.drain_seconds)
 
 
