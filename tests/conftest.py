@@ -17,13 +17,15 @@ if not torch.cuda.is_available():
 
 from ckpt_util import CHECKPOINT_CONFIGS, make_hf_checkpoint, perturbed_copy
 
+from staged_engine.demo_pair import cache_dir
+
 # The suite keeps its own cache directory: the planner's memories and the cost profiles in the
 # user's one were learned from timings, and a memory an earlier run kept for the same test models
 # (this machine's CI runs share one home) decided which arms a test's adaptive strategy played:
 # taken at its word, it had staged play plain steps throughout a test that counts accepted
 # proposals. Only the demo n-gram table is shared (linked): a function of the stdlib's sources,
 # validated on load, whose build takes tens of seconds.
-_user_cache = os.environ.get("STAGED_ENGINE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "staged-engine"))
+_user_cache = cache_dir()
 _suite_cache = tempfile.mkdtemp(prefix="staged-engine-tests-")
 atexit.register(shutil.rmtree, _suite_cache, True)
 for _name in glob.glob(os.path.join(_user_cache, "demo-*.ngram")):
