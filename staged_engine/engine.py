@@ -170,6 +170,8 @@ class Engine:
                                  f"oracle's ({oracle.config.vocab_size}); they must share a tokenizer")
         if draft2 is not None and draft is None:
             raise ValueError("draft2 needs a draft: the cascade is oracle <- draft <- draft2")
+        if draft is not None:
+            self.backend.pair(draft, oracle)  # the draft's passes follow the oracle's: packed for that
         if draft_head_rows is not None:
             # The draft scores only token ids below draft_head_rows (its LM head cut to those rows,
             # the rest -inf): a small draft's head is most of its weights, so each draft pass reads

@@ -482,6 +482,88 @@ def test_packing_comparison_reads_the_clock_both_ways(checkpoints):
     assert compare_packings(Slow(), native, model.config, rounds=3) > 2.0
 
 
+def test_a_draft_s_packings_are_timed_right_after_its_oracle_s_pass(checkpoints):
+    """``compare_packings(a, b, before=f)`` (a draft's comparison) times each pass right after a
+    call of ``f`` (its oracle's pass), one pass a unit: a packing whose pass is slow only after
+    ``f`` ran (a draft whose weights the oracle's pass evicted) loses there, and ties without."""
+    import time
+
+    from staged_engine.model.backend import compare_packings
+
+    model = load_model(checkpoints["odd96"])
+    native = TorchBackend(native=True, wide_weights=False).native_model(model)
+    calls = []
+
+    class Cold:
+        """Sleeps 2 ms in its first pass after the oracle's."""
+        evicted = False
+
+        def forward_ids(self, *args):
+            if Cold.evicted:
+                time.sleep(0.002)
+                Cold.evicted = False
+            return native.forward_ids(*args)
+
+    def oracle_pass():
+        calls.append(1)
+        Cold.evicted = True
+
+    assert 0.5 < compare_packings(Cold(), native, model.config) < 2.0  # never after the oracle's pass
+    assert compare_packings(Cold(), native, model.config, rounds=3, before=oracle_pass) > 2.0
+    assert compare_packings(native, Cold(), model.config, rounds=3, before=oracle_pass) < 0.5
+    assert len(calls) == 2 * 2 * (2 * 3 + 1)  # before every timed pass of both, warm-up round included
+
+
+def test_an_engine_s_draft_is_packed_for_the_pass_after_its_oracle_s(pair, monkeypatch):
+    """The Engine pairs its draft with its oracle (``Backend.pair``): the draft's packings are
+    compared with the oracle's pass before each timed pass, the oracle's without, and the draft
+    keeps one packing (no float32 copy for many rows, which a round would fetch again too). A
+    draft packed before it was paired is packed again. The same bits either way."""
+    import staged_engine.model.backend as backend_mod
+    from staged_engine import Engine
+
+    oracle, draft = load_model(pair[0]), load_model(pair[1])
+    with torch.no_grad():
+        for m in (oracle, draft):
+            for p in m.parameters():
+                p.copy_(p.half().float())
+    monkeypatch.setattr(backend_mod, "last_level_cache_bytes", lambda: 1 << 40)
+    seen = []
+
+    def compare(a, b, cfg, before=None):
+        if before is not None:
+            out = before()
+            assert out.shape == (1, oracle.config.vocab_size)
+        seen.append((cfg.n_embd, before is not None))
+        return 2.0 if before is not None else 0.5  # float16 faster after the oracle's pass, float32 warm
+
+    monkeypatch.setattr(backend_mod, "compare_packings", compare)
+    monkeypatch.setattr(backend_mod, "wide_crossover", lambda wide, narrow, cfg: (2, {}))  # were it asked
+    backend = TorchBackend(native=True)
+    ids = list(range(1, 9))
+    with torch.inference_mode():
+        alone = backend.native_model(draft).forward_ids(ids, list(range(8)), *_scratch(draft, 8), 0, 8, None, False)
+    assert backend.packing[id(draft)]["why"] == "timed" and backend.packing[id(draft)]["packed"] == "float32"
+    eng = Engine(oracle, draft=draft, backend=backend)
+    with torch.inference_mode():
+        paired = backend.native_model(draft).forward_ids(ids, list(range(8)), *_scratch(draft, 8), 0, 8, None, False)
+    how = backend.packing[id(draft)]
+    assert how["why"] == "timed after the oracle's pass" and how["packed"] == "float16"
+    assert how["float32_from_rows"] is None and backend.wide_rows_model(draft) == (None, None)
+    assert backend.packing[id(oracle)]["why"] == "timed" and backend.packing[id(oracle)]["packed"] == "float32"
+    assert seen == [(draft.config.n_embd, False), (oracle.config.n_embd, False), (draft.config.n_embd, True)]
+    assert torch.equal(alone, paired)
+    out = eng.generate(ids, max_new_tokens=12, strategy="chain", stop_at_eos=False).token_ids
+    assert out == Engine(oracle, backend=TorchBackend(native=False)).generate(
+        ids, max_new_tokens=12, strategy="plain", stop_at_eos=False).token_ids
+
+
+def _scratch(model, n):
+    c = model.config
+    shape = (c.n_layer, 1, c.n_head, n, c.n_embd // c.n_head)
+    return torch.zeros(shape), torch.zeros(shape)
+
+
 class _Counting:
     """A packed model that records the rows of every pass it runs."""
 
