@@ -198,7 +198,7 @@ class TorchBackend(Backend):
         self.wide_rows = wide_rows
         self.packing: dict[int, dict] = {}  # by id(model): how its weights were packed, and why
         self._natives: dict[int, _Packed] = {}  # by id(model)
-        self._oracles: dict[int, Any] = {}  # by id(draft): the model it drafts for (``pair``)
+        self._oracles: dict[int, tuple] = {}  # by id(draft): (draft, the model it drafts for) (``pair``)
         self._warned_dtype = False
 
     def native_model(self, model):
@@ -210,10 +210,16 @@ class TorchBackend(Backend):
         return entry.native
 
     def pair(self, draft, oracle) -> None:
-        if draft is oracle or self._oracles.get(id(draft)) is oracle:
+        if draft is oracle or self._oracle_of(draft) is oracle:
             return
-        self._oracles[id(draft)] = oracle
+        self._oracles[id(draft)] = (draft, oracle)
         self._natives.pop(id(draft), None)  # packed before it was paired: packed again at next use
+
+    def _oracle_of(self, model):
+        """The model ``model`` drafts for (``pair``), or None. Keyed by id, as ``_natives`` is, and
+        checked to be the same object, so that a model given a collected draft's id is no draft."""
+        pair = self._oracles.get(id(model))
+        return pair[1] if pair is not None and pair[0] is model else None
 
     def refresh(self, model) -> None:
         """Re-pack ``model`` if a weight was modified in place since it was packed (checked once
@@ -238,8 +244,12 @@ class TorchBackend(Backend):
         oracle, which streams its own weights through the caches the draft's were in. There the
         bytes to fetch again count, not only the widening: the demo draft's one-row pass after
         the oracle's took 1.23x as long in float32 as in float16 (warm, back to back: 0.77x). Nor
-        does a draft get a second, float32 packing for passes of many rows (``wide_rows``): a
-        round would fetch both copies again. On the Zen 1 the demo draft was packed float32
+        does a draft get a second, float32 packing for passes of many rows (``wide_rows`` 0, the
+        measured crossover; a pinned row count still holds): a round would fetch both copies
+        again. Timed after the oracle's pass too, such a copy won from 3-4 rows on the demo draft,
+        and runs with and without it were level within their noise (one process, alternating:
+        DSBD at 8 beams, top-p, 1.39x and 1.34x beam sampling, again 1.42x and 1.46x; staged,
+        greedy, 1.24x and 1.25x plain), so a draft keeps one packing. On the Zen 1 the demo draft was packed float32
         before; packed so, float16 (12 held-out prompts x 3, the two engines alternating, median
         speed over plain): chains of one 1.09x -> 1.13x greedy and 0.94x -> 0.97x at T 0.8,
         top-p 0.95; of two 1.22x -> 1.25x and 0.96x -> 0.98x; staged 1.35x -> 1.37x and
@@ -256,7 +266,7 @@ class TorchBackend(Backend):
         how = {"packed": "float16" if native.half else "float32", "why": "fixed" if self.wide_weights is not None
                else "float32 weights"}
         llc = last_level_cache_bytes()
-        oracle = self._oracles.get(id(model))
+        oracle = self._oracle_of(model)
         if self.wide_weights is None and native.half:
             if 2 * native.weight_bytes <= llc:
                 wide = make(False)
@@ -279,8 +289,8 @@ class TorchBackend(Backend):
         native.set_streaming(bool(llc) and native.weight_bytes > llc)
         how["streaming"] = native.streaming
         wide, wide_from = None, None
-        if oracle is not None:
-            how["float32_from_rows"] = None  # a draft keeps one packing (see above)
+        if oracle is not None and self.wide_rows == 0:
+            how["float32_from_rows"] = None  # a draft keeps one packing (see above) unless pinned
         elif native.half and self.wide_rows is not None and (self.wide_rows or 2 * native.weight_bytes <= wide_memory_cap()):
             wide = make(False)
             wide.set_streaming(bool(llc) and wide.weight_bytes > llc)

@@ -553,6 +553,12 @@ def test_an_engine_s_draft_is_packed_for_the_pass_after_its_oracle_s(pair, monke
     assert backend.packing[id(oracle)]["why"] == "timed" and backend.packing[id(oracle)]["packed"] == "float32"
     assert seen == [(draft.config.n_embd, False), (oracle.config.n_embd, False), (draft.config.n_embd, True)]
     assert torch.equal(alone, paired)
+    pinned = TorchBackend(native=True, wide_rows=3)  # a pinned row count still holds for a draft
+    Engine(oracle, draft=draft, backend=pinned)
+    assert pinned.wide_rows_model(draft)[1] == 3
+    assert pinned._oracle_of(draft) is oracle and pinned._oracle_of(oracle) is None
+    pinned._oracles[id(oracle)] = (draft, oracle)  # as if the oracle had a collected draft's id
+    assert pinned._oracle_of(oracle) is None
     out = eng.generate(ids, max_new_tokens=12, strategy="chain", stop_at_eos=False).token_ids
     assert out == Engine(oracle, backend=TorchBackend(native=False)).generate(
         ids, max_new_tokens=12, strategy="plain", stop_at_eos=False).token_ids
