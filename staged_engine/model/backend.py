@@ -249,11 +249,11 @@ class TorchBackend(Backend):
         again. Timed after the oracle's pass too, such a copy won from 3-4 rows on the demo draft,
         and runs with and without it were level within their noise (one process, alternating:
         DSBD at 8 beams, top-p, 1.39x and 1.34x beam sampling, again 1.42x and 1.46x; staged,
-        greedy, 1.24x and 1.25x plain), so a draft keeps one packing. On the Zen 1 the demo draft was packed float32
-        before; packed so, float16 (12 held-out prompts x 3, the two engines alternating, median
-        speed over plain): chains of one 1.09x -> 1.13x greedy and 0.94x -> 0.97x at T 0.8,
-        top-p 0.95; of two 1.22x -> 1.25x and 0.96x -> 0.98x; staged 1.35x -> 1.37x and
-        1.00x -> 0.99x (its planner played mostly plain steps there)."""
+        greedy, 1.24x and 1.25x plain), so a draft keeps one packing. The demo draft, float32
+        before and float16 now, on the Zen 1 (12 held-out prompts x 3, the two engines
+        alternating, median speed over plain): chains of one 1.09x -> 1.13x greedy and 0.94x ->
+        0.97x at T 0.8, top-p 0.95; of two 1.22x -> 1.25x and 0.96x -> 0.98x; staged 1.35x ->
+        1.37x and 1.00x -> 0.99x (its planner played mostly plain steps there)."""
         tensors = self._model_tensors(model)
         wte, wpe, lnf_w, lnf_b, *blocks = tensors
         cfg = model.config
