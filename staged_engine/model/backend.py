@@ -316,8 +316,7 @@ class TorchBackend(Backend):
             return None
         cfg = oracle.config
         context = min(context, cfg.n_positions - 1)
-        shape = (cfg.n_layer, 1, cfg.n_head, context + 1, cfg.n_embd // cfg.n_head)
-        k, v = torch.zeros(shape), torch.zeros(shape)
+        k, v = scratch_cache(cfg, context + 1)
         return lambda: native.forward_ids([0], [context], k, v, context, 1, None, False)
 
     @staticmethod
@@ -504,6 +503,13 @@ def last_level_cache_bytes() -> int:
     return best
 
 
+def scratch_cache(cfg, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed K and V of one cache row of ``slots`` slots for a model of config ``cfg``: what the
+    packings' timed passes (``compare_packings``, ``wide_crossover``, a draft's oracle pass) write."""
+    shape = (cfg.n_layer, 1, cfg.n_head, slots, cfg.n_embd // cfg.n_head)
+    return torch.zeros(shape), torch.zeros(shape)
+
+
 def _pass_ratios(a, b, run, rounds: int, before=None) -> list[float]:
     """a's seconds over b's for ``run(model)`` (one timed unit of passes), ``rounds`` rounds after
     a warm-up, the two in alternating order; ``before()``, where given, runs untimed before each
@@ -537,8 +543,7 @@ def compare_packings(a, b, cfg, rounds: int = 9, passes: int = 4, context: int =
     if before is not None:
         passes, rounds = 1, 2 * rounds
     context = min(context, cfg.n_positions - 1)
-    shape = (cfg.n_layer, 1, cfg.n_head, context + 1, cfg.n_embd // cfg.n_head)
-    k, v = torch.zeros(shape), torch.zeros(shape)
+    k, v = scratch_cache(cfg, context + 1)
 
     def run(model):
         for i in range(passes):
@@ -580,8 +585,7 @@ def wide_crossover(wide, narrow, cfg, rows=WIDE_LADDER, rounds: int = 8, context
     ratios: dict[str, float] = {}
     if not rows:
         return None, ratios
-    shape = (cfg.n_layer, 1, cfg.n_head, context + max(rows), cfg.n_embd // cfg.n_head)
-    k, v = torch.zeros(shape), torch.zeros(shape)
+    k, v = scratch_cache(cfg, context + max(rows))
     began = time.perf_counter()
     won = None  # the previous count, where it won
     for n in rows:
