@@ -20,6 +20,10 @@ from staged_engine.spec.verify import choose_one, verify
 # Plain steps a round of plain decoding runs back to back (one native call): its streams arrive in
 # pieces of up to this many tokens. A planner's block of plain steps (16) runs whole, in one call.
 PLAIN_BATCH = 8
+# Rounds a pinned draft chain runs back to back (one native call, ``_cpu.chain_rounds``): its
+# streams arrive in pieces of up to this many rounds' tokens. A planner's fixed chain runs the
+# rest of its block (16 rounds) in one call.
+CHAIN_BATCH = 4
 
 
 class RoundClock:
@@ -168,7 +172,11 @@ class SpeculativeDecoder(Decoder):
         planner = self.planner
         if planner is None:
             shape = self.drafter.shape
-            emitted = self._native_chain(remaining, min(shape.max_depth, shape.budget - 1))
+            depth = min(shape.max_depth, shape.budget - 1)
+            block = self._native_chain_block(remaining, depth, CHAIN_BATCH)
+            if block is not None:
+                return block[0]
+            emitted = self._native_chain(remaining, depth)
             return emitted if emitted is not None else self._round(remaining, shape.budget, shape.max_depth)[0]
         oracle, clock = self.oracle, self.clock
         clock.enter()
@@ -203,6 +211,13 @@ class SpeculativeDecoder(Decoder):
         way = planner.arm(arm)
         self.drafter.use_inner = way.inner
         if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
+            if not way.lookup and not way.lookup_first:  # the rest of its block, in one native call
+                block = self._native_chain_block(remaining, way.depth, planner.block_rounds())
+                if block is not None:
+                    out, rounds = block
+                    n = min(len(out), remaining)
+                    planner.observe_fixed(n, self._drafted_seconds(n), rounds)
+                    return out
             lookup = way.lookup or (way.lookup_first and self.drafter.lookup_matches())
             emitted = None if lookup else self._native_chain(remaining, way.depth)
             if emitted is None:
@@ -280,6 +295,45 @@ class SpeculativeDecoder(Decoder):
             n = min(len(emitted), remaining)
             planner.observe_chain(logr, max(len(path), 1), n_unseen, passes, n, self._drafted_seconds(n))
         return emitted
+
+    def _native_chain_block(self, remaining: int, depth: int, rounds: int) -> tuple[list[int], int] | None:
+        """Up to ``rounds`` rounds of a fixed draft chain of ``depth`` tokens in one native call
+        (``_cpu.chain_rounds``: each round ``_native_chain``'s, the same tokens, passes and cache
+        entries), at most ``remaining`` tokens, stopping after a round that emits ``stop_token``:
+        (the tokens, the rounds run). None where a native round does not apply, or with room for
+        less than two tokens (then a round of ``_native_chain`` or ``_round`` ends the text)."""
+        drafter, oracle = self.drafter, self.oracle
+        if oracle.native is None or not drafter.native_chain():
+            return None
+        root_position = oracle.length
+        n_ctx = min(oracle.max_len, oracle.model.config.n_positions)
+        # Every token within the window, and every entry within both caches: each round's chain
+        # is cut to the tokens left, so the oracle writes at most n entries and the draft at most
+        # its unseen tokens and n - 1 more.
+        n = min(remaining, n_ctx - 1 - root_position, drafter.chain_depth(remaining - 1, remaining) + 1)
+        if n < 2:
+            return None
+        draft, unseen, sampling = drafter.runner, drafter.unseen, self.sampling
+        t, top_k, top_p, seed = sampling.rule
+        dt, dk, _, dseed = (0.0, 0, 1.0, 0) if sampling.greedy else sampling.draft_rule
+        d_start = draft.reserve(len(unseen) + n - 1)
+        o_start = oracle.reserve(n)
+        try:
+            out, lengths, unseen, kept, passes, d_rows, d_seconds, o_seconds, o_rows = _cpu.chain_rounds(
+                draft.native, draft.cache.k, draft.cache.v, d_start, unseen, oracle.native, oracle.cache.k,
+                oracle.cache.v, o_start, root_position, depth, n, max(rounds, 1), t, top_k, top_p, seed or 0, dt, dk,
+                dseed or 0, -1 if self.stop_token is None else self.stop_token)
+        except BaseException:
+            draft.discard()
+            oracle.discard()
+            raise
+        draft.count(passes, d_seconds, d_rows)
+        oracle.count(len(lengths), o_seconds, o_rows)
+        oracle.commit(list(range(len(out))))
+        drafter.accept_chains(kept, unseen, out)
+        self.root = out[-1]
+        self.accepted_lengths.extend(lengths)
+        return out, len(lengths)
 
     def _round(self, remaining: int, budget: int, max_depth: int, planner: RoundPlanner | None = None,
                lookup: bool = False):

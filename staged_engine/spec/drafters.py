@@ -548,6 +548,19 @@ class ModelDrafter:
             self.inner.observe(emitted, self.history)
         self.history.extend(emitted)
 
+    def accept_chains(self, kept: int, unseen: list[int], emitted: list[int]) -> None:
+        """``accept_chain`` after a block of native chain rounds (``_cpu.chain_rounds``) that
+        emitted ``emitted``, kept the first ``kept`` of this draft's pending entries and left it
+        ``unseen`` (the emitted tokens it has not evaluated, ending in the new root)."""
+        if kept:
+            self.runner.commit(list(range(kept)))
+        else:
+            self.runner.discard()
+        self.unseen = list(unseen)
+        if self.inner is not None:
+            self.inner.observe(emitted, self.history)
+        self.history.extend(emitted)
+
     def _context_lookup(self) -> ContextLookup:
         """Prompt lookup over this drafter's history, made at first use."""
         if self.lookup is None:

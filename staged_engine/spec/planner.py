@@ -661,6 +661,12 @@ class RoundPlanner:
         """How many plain steps may run back to back now (the rest of the current block)."""
         return self.m.stints.rounds_left
 
+    def block_rounds(self) -> int:
+        """Rounds the coming call may run of the current block: the rest of it, or one while the
+        block's first round plays off its clock (``Stints.record``: a cold draft's round)."""
+        stints = self.m.stints
+        return 1 if stints.warming else stints.rounds_left
+
     def node_values(self, tree: Tree, logr: list[float]) -> list[float]:
         """A(n) for every node of ``tree`` (root 1.0), ``logr[n]`` the draft's log probability of
         node n given its parent."""
@@ -734,11 +740,11 @@ class RoundPlanner:
         self.m.rate.add(emitted, seconds)
         self.m.stints.record(emitted, seconds, passes)
 
-    def observe_fixed(self, emitted: int, seconds: float) -> None:
-        """A round of a fixed chain emitted ``emitted`` tokens in ``seconds``."""
-        self.fixed_rounds += 1
+    def observe_fixed(self, emitted: int, seconds: float, rounds: int = 1) -> None:
+        """``rounds`` rounds of a fixed chain emitted ``emitted`` tokens in ``seconds``."""
+        self.fixed_rounds += rounds
         self.m.rate.add(emitted, seconds)
-        self.m.stints.record(emitted, seconds)
+        self.m.stints.record(emitted, seconds, rounds)
 
     def _observe_drafted(self, pass_rows: list[int], nodes: int, emitted: int, seconds: float) -> None:
         """A drafted round's time against the cost model's prediction, its rate and its arm's clock."""

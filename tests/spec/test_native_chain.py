@@ -1,6 +1,7 @@
-"""A fixed chain's round in one native call (``_cpu.chain_round``) against the same round in
-Python: the same tokens every round, and afterwards both caches hold, bit for bit, what the
-Python rounds left there; the tokens are also plain decoding's (the independent reference)."""
+"""A fixed chain's round in one native call (``_cpu.chain_round``), and a block of them
+(``_cpu.chain_rounds``), against the same rounds in Python: the same tokens every round, and
+afterwards both caches hold, bit for bit, what the Python rounds left there; the tokens are also
+plain decoding's (the independent reference)."""
 from __future__ import annotations
 
 import math
@@ -27,13 +28,23 @@ class PythonRounds(SpeculativeDecoder):
     def _native_chain(self, remaining: int, depth: int):
         return None
 
+    def _native_chain_block(self, remaining: int, depth: int, rounds: int):
+        return None
 
-def _make(cls, oracle, draft, params, depth, window=None):
+
+class NativeRounds(SpeculativeDecoder):
+    """One native round a call (``_cpu.chain_round``), no blocks."""
+
+    def _native_chain_block(self, remaining: int, depth: int, rounds: int):
+        return None
+
+
+def _make(cls, oracle, draft, params, depth, window=None, stop_token=None):
     sampling = SamplingConfig.make(params, oracle.config.vocab_size)
     backend = TorchBackend(native=True)
     shape = TreeShape(budget=depth + 1, max_depth=depth, children=1, expand=1)
     drafter = ModelDrafter(ModelRunner(draft, backend), sampling, shape, window=window)
-    return cls(ModelRunner(oracle, backend), sampling, drafter, "chain")
+    return cls(ModelRunner(oracle, backend), sampling, drafter, "chain", stop_token=stop_token)
 
 
 def _run(decoder, prompt, n):
@@ -51,18 +62,35 @@ def _committed(runner):
     return runner.cache.k[:, :, :, :length].clone(), runner.cache.v[:, :, :, :length].clone(), length
 
 
+def _assert_same_state(native, python):
+    """The caches (the oracle's and the draft's committed entries, bit for bit), the counters and
+    the draft's view of the text."""
+    for a, b in ((native.oracle, python.oracle), (native.drafter.runner, python.drafter.runner)):
+        ka, va, la = _committed(a)
+        kb, vb, lb = _committed(b)
+        assert la == lb
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+        assert (a.calls, a.nodes) == (b.calls, b.nodes)
+        assert a.cache.pending == b.cache.pending == 0
+    assert native.drafter.unseen == python.drafter.unseen
+    assert native.drafter.history == python.drafter.history
+
+
 @pytest.mark.parametrize("window", [None, 4], ids=["whole", "window"])
 @pytest.mark.parametrize("depth", [1, 3, 6])
 @pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p"])
 def test_native_chain_rounds_equal_the_python_rounds_and_plain_decoding(pair, params, depth, window):
-    """With a ``window`` the draft starts from the prompt's last 4 tokens before the root, at
-    positions of its own (``ModelDrafter.catch_up``): the native round must draw the text's
-    noise there, as the Python round does."""
+    """One native round a call, and blocks of ``CHAIN_BATCH`` rounds a call (a pinned chain's
+    default), against the Python rounds. With a ``window`` the draft starts from the prompt's
+    last 4 tokens before the root, at positions of its own (``ModelDrafter.catch_up``): the
+    native round must draw the text's noise there, as the Python round does."""
     oracle, draft = (load_model(d) for d in pair)
     g = torch.Generator().manual_seed(depth)
     prompt = torch.randint(0, oracle.config.vocab_size, (9,), generator=g).tolist()
-    native, python = (_make(cls, oracle, draft, params, depth, window) for cls in (SpeculativeDecoder, PythonRounds))
+    blocks, native, python = (_make(cls, oracle, draft, params, depth, window)
+                              for cls in (SpeculativeDecoder, NativeRounds, PythonRounds))
     with torch.inference_mode():
+        got_blocks, block_calls = _run(blocks, prompt, 40)
         got, got_rounds = _run(native, prompt, 40)
         want, want_rounds = _run(python, prompt, 40)
         sampling = SamplingConfig.make(params, oracle.config.vocab_size)
@@ -71,16 +99,37 @@ def test_native_chain_rounds_equal_the_python_rounds_and_plain_decoding(pair, pa
     assert native.drafter.offset == python.drafter.offset == (0 if window is None else len(prompt) - 1 - window)
     assert got_rounds == want_rounds  # the same chains accepted, round by round
     assert got[:40] == ref[:40]
-    assert native.accepted_lengths == python.accepted_lengths
-    # The caches: the oracle's and the draft's committed entries, bit for bit.
-    for a, b in ((native.oracle, python.oracle), (native.drafter.runner, python.drafter.runner)):
-        ka, va, la = _committed(a)
-        kb, vb, lb = _committed(b)
-        assert la == lb
-        assert torch.equal(ka, kb) and torch.equal(va, vb)
-        assert (a.calls, a.nodes) == (b.calls, b.nodes)
-    assert native.drafter.unseen == python.drafter.unseen
-    assert native.drafter.history == python.drafter.history
+    assert got_blocks == got
+    assert native.accepted_lengths == python.accepted_lengths == blocks.accepted_lengths
+    assert len(block_calls) < len(got_rounds)  # rounds did run in blocks
+    _assert_same_state(native, python)
+    _assert_same_state(blocks, python)
+
+
+@pytest.mark.parametrize("params", RULES[:2], ids=["greedy", "top_k"])
+def test_a_block_of_chain_rounds_stops_after_the_round_that_emits_the_stop_token(pair, params):
+    """A block ends with the round that emitted ``stop_token``, whole (as that round alone
+    returns it): the caller cuts the text there, and every cache and counter is where the
+    Python rounds left them."""
+    oracle, draft = (load_model(d) for d in pair)
+    prompt = torch.randint(0, oracle.config.vocab_size, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        free, _ = _run(_make(PythonRounds, oracle, draft, params, 3), prompt, 40)
+        stop = free[17]  # a token the text emits, not at its start
+        blocks, python = (_make(cls, oracle, draft, params, 3, stop_token=stop) for cls in (SpeculativeDecoder, PythonRounds))
+        blocks.start(prompt)
+        python.start(prompt)
+        got, want, calls = [], [], 0
+        while stop not in got:
+            got += blocks.round(40 - len(got))
+            calls += 1
+        while stop not in want:
+            want += python.round(40 - len(want))
+    assert got == want
+    assert calls < len(blocks.accepted_lengths)  # rounds did run in blocks
+    assert got[:free.index(stop) + 1] == free[:free.index(stop) + 1]
+    assert blocks.accepted_lengths == python.accepted_lengths
+    _assert_same_state(blocks, python)
 
 
 def test_chain_round_refuses_bad_arguments(pair):
@@ -100,6 +149,25 @@ def test_chain_round_refuses_bad_arguments(pair):
         _cpu.chain_round(**{**args, "unseen": [1, 2, oracle.config.vocab_size]})
     with pytest.raises(ValueError, match="exceed the cache"):
         _cpu.chain_round(**{**args, "oracle_start": o.max_len - 1})
+
+
+def test_chain_rounds_refuses_bad_arguments(pair):
+    oracle, draft = (load_model(d) for d in pair)
+    dec = _make(SpeculativeDecoder, oracle, draft, SamplingParams(), 2)
+    dec.start([1, 2, 3])
+    d, o = dec.drafter.runner, dec.oracle
+    args = dict(draft=d.native, draft_k=d.cache.k, draft_v=d.cache.v, draft_start=0, unseen=[1, 2, 3],
+                oracle=o.native, oracle_k=o.cache.k, oracle_v=o.cache.v, oracle_start=2, root_position=2, depth=2,
+                n=8, max_rounds=4, temperature=0.0, top_k=0, top_p=1.0, seed=0, draft_temperature=0.0,
+                draft_top_k=0, draft_seed=0, stop_token=-1)
+    for name, value, message in (("depth", 0, "depth must be in"), ("n", 0, "n must be"),
+                                 ("max_rounds", 0, "max_rounds must be"), ("unseen", [], "unseen must hold"),
+                                 ("unseen", [1, 2, oracle.config.vocab_size], "outside the vocabulary"),
+                                 ("oracle_start", o.max_len - 1, "exceed the cache"),
+                                 ("draft_start", d.max_len - 2, "must not be past the oracle"),
+                                 ("root_position", -1, "must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            _cpu.chain_rounds(**{**args, name: value})
 
 
 def _draft_chain_reference(draft, prompt, depth):
