@@ -1508,6 +1508,20 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
   return {chain, logr, path, emitted, passes, draft_seconds, oracle_seconds};
 }
 
+// Prompt lookup (ContextLookup.propose): the index that followed the latest earlier occurrence of
+// seq's last m tokens (-1: none), by a scan back from the end: a few thousand compares over a
+// context window of contiguous ids, where a hash index over the history cost more to build each
+// call than the scans of a block.
+int64_t latest_follower(const std::vector<int64_t>& seq, int m) {
+  const int64_t len = static_cast<int64_t>(seq.size());
+  if (m < 1 || len < m) return -1;
+  const int64_t* tail = seq.data() + len - m;
+  for (int64_t i = len - 1; i >= m; --i)  // the occurrence seq[i - m, i), followed by index i
+    if (seq[static_cast<size_t>(i - 1)] == tail[m - 1] && std::equal(tail, tail + m - 1, seq.data() + i - m))
+      return i;
+  return -1;
+}
+
 // A block of rounds of a fixed draft chain in one native call: chain_round after chain_round,
 // each round's kept entries committed in place before the next, without returning to Python
 // between them. What it spares is the interpreter between rounds: the engine's loop, the
@@ -1525,15 +1539,36 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
 // (-1: none), whose tokens it returns whole as a round would. The oracle writes at most ``n``
 // entries from ``o_start`` and the draft at most ``unseen.size() + n - 1`` from ``d_start``
 // (each round's chain is cut to fit: checked here and in forward_ids): the caller reserves them.
+//
+// With ``lookup_first`` (the planner's lookup-or-draft arms), a round where the context's last 3
+// tokens were seen before (in ``history``, every token before the root, and what the block
+// emits) verifies prompt lookup's chain instead, up to ``depth`` of the tokens that followed the
+// latest earlier occurrence, with no draft pass: the draft falls behind by that round's tokens
+// and catches up in its next pass, as the Python rounds make it (ModelDrafter.build_lookup).
 // Returns (tokens, tokens emitted by each round, the draft's unseen tokens after the block, its
-// entries kept from d_start, draft passes, draft rows, draft seconds, oracle seconds, oracle rows).
+// entries kept from d_start, draft passes, draft rows, draft seconds, oracle seconds, oracle rows,
+// lookup rounds).
 std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double,
-           int64_t>
+           int64_t, int64_t>
 chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_start, std::vector<int64_t> unseen,
              NativeGPT2& oracle, torch::Tensor ok, torch::Tensor ov, int64_t o_start, int64_t root_position, int64_t depth,
              int64_t n, int64_t max_rounds, double temperature, int64_t top_k, double top_p, uint64_t seed,
-             double d_temperature, int64_t d_top_k, uint64_t d_seed, int64_t stop_token) {
+             double d_temperature, int64_t d_top_k, uint64_t d_seed, int64_t stop_token, bool lookup_first,
+             const std::vector<int64_t>& history) {
+  constexpr int kOrder = 3;  // ContextLookup.ORDER: a lookup-first round needs a 3-token match
   SE_CHECK(!unseen.empty(), "unseen must hold at least the root");
+  const int64_t vocab = oracle.vocab_size();
+  for (const int64_t t : history)
+    SE_CHECK(t >= 0 && t < vocab, "history must hold token ids in [0, ", vocab, "), got ", t);
+  SE_CHECK(unseen.back() >= 0 && unseen.back() < vocab, "the root must be a token id in [0, ", vocab, "), got ",
+           unseen.back());
+  std::vector<int64_t> seq;  // the text to the root, for prompt lookup
+  if (lookup_first) {
+    seq.reserve(history.size() + static_cast<size_t>(n) + 1);
+    seq.assign(history.begin(), history.end());
+    seq.push_back(unseen.back());
+  }
+  int64_t lookup_rounds = 0;
   SE_CHECK(depth >= 1 && depth <= 63, "depth must be in [1, 63], got ", depth);
   SE_CHECK(n >= 1, "n must be >= 1, got ", n);
   SE_CHECK(max_rounds >= 1, "max_rounds must be >= 1, got ", max_rounds);
@@ -1550,7 +1585,24 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
     const int64_t unseen_n = static_cast<int64_t>(unseen.size());
     std::vector<int64_t> path, emitted;
     int64_t passes = 0;
-    if (left >= 2) {
+    const int64_t from = lookup_first && left >= 2 ? latest_follower(seq, kOrder) : -1;
+    if (from >= 0) {  // prompt lookup's chain, no draft pass
+      std::vector<int64_t> chain{unseen.back()};
+      for (int64_t j = from; j < static_cast<int64_t>(seq.size()) && static_cast<int64_t>(chain.size()) <= std::min(depth, left - 1); ++j)
+        chain.push_back(seq[static_cast<size_t>(j)]);
+      const int64_t rows = static_cast<int64_t>(chain.size());
+      std::vector<int64_t> pos(rows), parents(rows);
+      for (int64_t i = 0; i < rows; ++i) {
+        pos[i] = root_at + i;
+        parents[i] = i - 1;
+      }
+      const auto t0 = clock::now();
+      const torch::Tensor logits = oracle.forward_ids(chain, pos, ok, ov, o_at, rows, c10::nullopt, false);
+      std::tie(path, emitted) = verify_tree(logits, chain, parents, seed, pos, temperature, top_k, top_p);
+      o_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+      o_rows += rows;
+      ++lookup_rounds;
+    } else if (left >= 2) {
       auto [chain, logr, p, e, dp, ds, os] =
           chain_round(draft, dk, dv, d_at, unseen, d_at, oracle, ok, ov, o_at, root_at, std::min(depth, left - 1), temperature,
                       top_k, top_p, seed, d_temperature, d_top_k, d_seed, {}, {}, {});
@@ -1582,9 +1634,10 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
     }
     lengths.push_back(static_cast<int64_t>(emitted.size()));
     out.insert(out.end(), emitted.begin(), emitted.end());
+    if (lookup_first) seq.insert(seq.end(), emitted.begin(), emitted.end());
     if (stop_token >= 0 && std::find(emitted.begin(), emitted.end(), stop_token) != emitted.end()) break;
   }
-  return {out, lengths, unseen, d_kept, d_passes, d_rows, d_seconds, o_seconds, o_rows};
+  return {out, lengths, unseen, d_kept, d_passes, d_rows, d_seconds, o_seconds, o_rows, lookup_rounds};
 }
 
 // Plain decoding's steps with prompt lookup, the cheapest stage of all (no draft model), without
@@ -1626,17 +1679,7 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   if (lookup) seq.reserve(history.size() + static_cast<size_t>(n) + 1);
   if (lookup) seq.assign(history.begin(), history.end());
   seq.push_back(root);
-  // The index that followed the latest earlier occurrence of seq's last m tokens (-1: none), by
-  // a scan back from the end: a few thousand compares over a context window of contiguous ids,
-  // where a hash index over the history cost more to build each call than the scans of a block.
-  auto follower = [&](int m) -> int64_t {
-    const int64_t len = static_cast<int64_t>(seq.size());
-    const int64_t* tail = seq.data() + len - m;
-    for (int64_t i = len - 1; i >= m; --i)  // the occurrence seq[i - m, i), followed by index i
-      if (seq[static_cast<size_t>(i - 1)] == tail[m - 1] && std::equal(tail, tail + m - 1, seq.data() + i - m))
-        return i;
-    return -1;
-  };
+  auto follower = [&](int m) { return latest_follower(seq, m); };
   std::vector<int64_t> out, chain, positions, parents, path, emitted, lengths;
   out.reserve(static_cast<size_t>(n));
   int64_t slot = start, proposed = 0, kept = 0;
@@ -1894,13 +1937,15 @@ void register_native_forward(py::module& m) {
         py::arg("depth"), py::arg("min_order"), py::call_guard<py::gil_scoped_release>());
   m.def("chain_rounds", &chain_rounds,
         "a block of rounds of a fixed draft chain in one call, each round's kept entries committed in place before "
-        "the next; (tokens, tokens of each round, the draft's unseen tokens, its entries kept, draft passes, draft "
-        "rows, draft seconds, oracle seconds, oracle rows)",
+        "the next, or with lookup_first prompt lookup's chain where the context's last 3 tokens were seen before; "
+        "(tokens, tokens of each round, the draft's unseen tokens, its entries kept, draft passes, draft rows, "
+        "draft seconds, oracle seconds, oracle rows, lookup rounds)",
         py::arg("draft"), py::arg("draft_k"), py::arg("draft_v"), py::arg("draft_start"), py::arg("unseen"),
         py::arg("oracle"), py::arg("oracle_k"), py::arg("oracle_v"), py::arg("oracle_start"), py::arg("root_position"),
         py::arg("depth"), py::arg("n"), py::arg("max_rounds"), py::arg("temperature"), py::arg("top_k"),
         py::arg("top_p"), py::arg("seed"), py::arg("draft_temperature"), py::arg("draft_top_k"),
-        py::arg("draft_seed"), py::arg("stop_token"), py::call_guard<py::gil_scoped_release>());
+        py::arg("draft_seed"), py::arg("stop_token"), py::arg("lookup_first") = false,
+        py::arg("history") = std::vector<int64_t>(), py::call_guard<py::gil_scoped_release>());
   m.def("chain_round", &chain_round,
         "one round of a draft chain, fixed or planned: the draft's passes, the oracle's pass and the acceptance walk, "
         "entries left pending; (chain, log r, path, emitted, draft passes, draft seconds, oracle seconds)",

@@ -188,8 +188,8 @@ class SpeculativeDecoder(Decoder):
             planner.observe_steps(len(out), clock.seconds())
             return out
         steps = planner.steps_arm()
-        if steps is not None:  # the rest of a block of steps with prompt lookup, in one native call
-            out, passes = self.lookup_steps(min(remaining, planner.plain_steps()), steps.depth, steps.order)
+        if steps is not None:  # the rest of a block of prompt lookup's passes, in one native call
+            out, passes = self.lookup_steps(min(remaining, planner.plain_steps()), steps.depth, steps.order or 1)
             self.drafter.skip(out)
             planner.observe_lookup_steps(len(out), passes, clock.seconds())
             return out
@@ -211,12 +211,12 @@ class SpeculativeDecoder(Decoder):
         way = planner.arm(arm)
         self.drafter.use_inner = way.inner
         if way.depth is not None:  # a fixed chain the clock compares with the planned rounds
-            if not way.lookup and not way.lookup_first:  # the rest of its block, in one native call
-                block = self._native_chain_block(remaining, way.depth, planner.block_rounds())
+            if not way.lookup:  # the rest of its block, in one native call
+                block = self._native_chain_block(remaining, way.depth, planner.block_rounds(), way.lookup_first)
                 if block is not None:
                     out, rounds = block
                     n = min(len(out), remaining)
-                    planner.observe_fixed(n, self._drafted_seconds(n), rounds)
+                    planner.observe_fixed(n, self._drafted_seconds(n) if drafting else clock.seconds(), rounds)
                     return out
             lookup = way.lookup or (way.lookup_first and self.drafter.lookup_matches())
             emitted = None if lookup else self._native_chain(remaining, way.depth)
@@ -296,11 +296,14 @@ class SpeculativeDecoder(Decoder):
             planner.observe_chain(logr, max(len(path), 1), n_unseen, passes, n, self._drafted_seconds(n))
         return emitted
 
-    def _native_chain_block(self, remaining: int, depth: int, rounds: int) -> tuple[list[int], int] | None:
+    def _native_chain_block(self, remaining: int, depth: int, rounds: int,
+                            lookup_first: bool = False) -> tuple[list[int], int] | None:
         """Up to ``rounds`` rounds of a fixed draft chain of ``depth`` tokens in one native call
         (``_cpu.chain_rounds``: each round ``_native_chain``'s, the same tokens, passes and cache
         entries), at most ``remaining`` tokens, stopping after a round that emits ``stop_token``:
-        (the tokens, the rounds run). None where a native round does not apply, or with room for
+        (the tokens, the rounds run). With ``lookup_first``, the rounds where the context's last 3
+        tokens were seen before verify prompt lookup's chain instead, with no draft pass
+        (``_round`` with ``lookup``). None where a native round does not apply, or with room for
         less than two tokens (then a round of ``_native_chain`` or ``_round`` ends the text)."""
         drafter, oracle = self.drafter, self.oracle
         if oracle.native is None or not drafter.native_chain():
@@ -319,10 +322,11 @@ class SpeculativeDecoder(Decoder):
         d_start = draft.reserve(len(unseen) + n - 1)
         o_start = oracle.reserve(n)
         try:
-            out, lengths, unseen, kept, passes, d_rows, d_seconds, o_seconds, o_rows = _cpu.chain_rounds(
+            out, lengths, unseen, kept, passes, d_rows, d_seconds, o_seconds, o_rows, _ = _cpu.chain_rounds(
                 draft.native, draft.cache.k, draft.cache.v, d_start, unseen, oracle.native, oracle.cache.k,
                 oracle.cache.v, o_start, root_position, depth, n, max(rounds, 1), t, top_k, top_p, seed or 0, dt, dk,
-                dseed or 0, -1 if self.stop_token is None else self.stop_token)
+                dseed or 0, -1 if self.stop_token is None else self.stop_token, lookup_first,
+                drafter.history[:-1] if lookup_first else [])
         except BaseException:
             draft.discard()
             oracle.discard()

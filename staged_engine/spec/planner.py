@@ -641,10 +641,12 @@ class RoundPlanner:
         return self.m.stints.arm == PLAIN
 
     def steps_arm(self) -> Arm | None:
-        """The arm of the coming round when it is plain steps with prompt lookup (``Arm.steps``:
-        ``plain_steps`` says how many passes are left of its block), else None."""
+        """The arm of the coming round when it runs prompt lookup alone, a pass at a time: plain
+        steps with prompt lookup (``Arm.steps``) or prompt lookup's chains (``Arm.lookup``, whose
+        rounds are those passes with matches down to one token: ``order`` 0), else None;
+        ``plain_steps`` says how many passes are left of its block."""
         arm = self.m.arms[self.m.stints.arm]
-        return arm if arm.steps else None
+        return arm if arm.lookup else None
 
     def drafting(self) -> bool:
         """Whether the coming round will run the draft model (what ``start_round`` will say)."""

@@ -162,12 +162,63 @@ def test_chain_rounds_refuses_bad_arguments(pair):
                 draft_top_k=0, draft_seed=0, stop_token=-1)
     for name, value, message in (("depth", 0, "depth must be in"), ("n", 0, "n must be"),
                                  ("max_rounds", 0, "max_rounds must be"), ("unseen", [], "unseen must hold"),
-                                 ("unseen", [1, 2, oracle.config.vocab_size], "outside the vocabulary"),
+                                 ("unseen", [1, oracle.config.vocab_size, 3], "outside the vocabulary"),
+                                 ("unseen", [1, 2, oracle.config.vocab_size], "the root must be a token id"),
+                                 ("history", [oracle.config.vocab_size], "history must hold token ids"),
                                  ("oracle_start", o.max_len - 1, "exceed the cache"),
                                  ("draft_start", d.max_len - 2, "must not be past the oracle"),
                                  ("root_position", -1, "must be >= 0")):
         with pytest.raises(ValueError, match=message):
             _cpu.chain_rounds(**{**args, name: value})
+
+
+class LookupFirstPython(SpeculativeDecoder):
+    """The reference of a lookup-or-draft round in Python: prompt lookup's chain where the
+    context's last 3 tokens were seen before (``_round`` with ``lookup``), else the draft's."""
+
+    def round(self, remaining: int) -> list[int]:
+        depth = self.drafter.shape.max_depth
+        lookup = self.drafter.lookup_matches()
+        return self._round(remaining, depth + 1, depth, lookup=lookup)[0]
+
+
+class LookupFirstBlocks(SpeculativeDecoder):
+    def round(self, remaining: int) -> list[int]:
+        block = self._native_chain_block(remaining, self.drafter.shape.max_depth, 4, lookup_first=True)
+        return block[0] if block is not None else LookupFirstPython.round(self, remaining)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p"])
+def test_lookup_first_blocks_equal_the_python_rounds_and_plain_decoding(pair, params, depth, monkeypatch):
+    """``chain_rounds`` with ``lookup_first`` (the planner's lookup-or-draft arms): rounds of
+    prompt lookup's chain where the context's last 3 tokens were seen before, of the draft's
+    chain elsewhere, the draft catching up on the lookup rounds' tokens in its next pass. The
+    prompt repeats itself, so both kinds of rounds run."""
+    oracle, draft = (load_model(d) for d in pair)
+    g = torch.Generator().manual_seed(depth)
+    head = torch.randint(0, oracle.config.vocab_size, (6,), generator=g).tolist()
+    prompt = head + head[:4] + head + head[:3]
+    lookups = []
+    real = _cpu.chain_rounds
+
+    def counting(*args, **kwargs):
+        got = real(*args, **kwargs)
+        lookups.append((got[9], got[4]))  # lookup rounds, draft passes
+        return got
+
+    monkeypatch.setattr(_cpu, "chain_rounds", counting)
+    blocks, python = (_make(cls, oracle, draft, params, depth) for cls in (LookupFirstBlocks, LookupFirstPython))
+    with torch.inference_mode():
+        got, calls = _run(blocks, prompt, 48)
+        want, _ = _run(python, prompt, 48)
+        sampling = SamplingConfig.make(params, oracle.config.vocab_size)
+        ref, _ = _run(PlainDecoder(ModelRunner(oracle, TorchBackend(native=True)), sampling), prompt, 48)
+    assert got[:48] == want[:48] == ref[:48]
+    assert blocks.accepted_lengths == python.accepted_lengths
+    assert len(calls) < len(blocks.accepted_lengths)  # rounds did run in blocks
+    assert sum(n for n, _ in lookups) > 0 and sum(p for _, p in lookups) > 0  # both kinds of rounds ran
+    _assert_same_state(blocks, python)
 
 
 def _draft_chain_reference(draft, prompt, depth):

@@ -913,9 +913,11 @@ def test_blocks_of_lookup_steps_equal_plain(engine, kw):
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
 def test_lookup_or_draft_rounds_equal_plain(engine, kw, monkeypatch):
     """The lookup-first arm: prompt lookup's chain in the rounds where the context's last 3
-    tokens were seen before, the draft's fixed chain (natively, caught up on what lookup rounds
-    left) in the others. Both kinds of rounds run, and the output is plain decoding's."""
+    tokens were seen before, the draft's fixed chain (caught up on what lookup rounds left) in
+    the others, blocks of them in one native call (``_cpu.chain_rounds`` with ``lookup_first``).
+    Both kinds of rounds run, and the output is plain decoding's."""
     from staged_engine.config import SHAPE_LIMITS
+    from staged_engine.model.backend import _cpu
     from staged_engine.model.runner import ModelRunner
     from staged_engine.sampling import SamplingConfig, SamplingParams
     from staged_engine.spec.decoders import SpeculativeDecoder
@@ -927,12 +929,17 @@ def test_lookup_or_draft_rounds_equal_plain(engine, kw, monkeypatch):
     costs = (engine.cost_profile("oracle"), engine.cost_profile("draft"))
     sampling = SamplingConfig.make(SamplingParams(**kw), VOCAB)
     kinds = []
-    real_round, real_native = SpeculativeDecoder._round, SpeculativeDecoder._native_chain
+    real_round, real_rounds = SpeculativeDecoder._round, _cpu.chain_rounds
+
+    def counting(*a, **k):
+        got = real_rounds(*a, **k)
+        kinds.extend(["lookup"] * got[9] + ["draft"] * (len(got[1]) - got[9]))
+        return got
+
     monkeypatch.setattr(SpeculativeDecoder, "_round",
                         lambda self, *a, **k: kinds.append("lookup" if k.get("lookup") else "python") or
                         real_round(self, *a, **k))
-    monkeypatch.setattr(SpeculativeDecoder, "_native_chain",
-                        lambda self, *a, **k: kinds.append("draft") or real_native(self, *a, **k))
+    monkeypatch.setattr(_cpu, "chain_rounds", counting)
     prompt = _prompts(1, 11)[0] + [3, 4, 5, 3, 4, 5, 3, 4]
     want = engine.generate(prompt, max_new_tokens=80, strategy="plain", **kw).token_ids
     memory = PlannerMemory(arms)
