@@ -1,7 +1,8 @@
 """Decoding strategies. Each is a small object with ``start(prompt)`` and ``round(remaining)``.
 
-``round`` runs one oracle forward pass (plus whatever drafting it needs) and returns the new
-tokens it accepted, at least one, at most ``remaining``. All of them choose tokens with
+``round`` runs one or more oracle forward passes (plus whatever drafting they need: plain steps
+and fixed chains run several back to back in one native call) and returns the new tokens they
+accepted, at least one, at most ``remaining``. All of them choose tokens with
 ``sampling.choose`` on the oracle's logits at the emitted token's absolute position, so a
 seed fixes one sequence for every strategy (ALGORITHMS.md sec. 3).
 """

@@ -152,9 +152,10 @@ class RoundCost:
 # tokens that come from prompt lookup in the rounds where the context's last 3 tokens were seen
 # before and from the draft in the others, and, greedy, plain steps with prompt lookup riding
 # along (``LOOKUP_STEPS``, ``Arm.steps``). A planned round of a chain without an inner stage
-# (the chain strategy's) runs in one native call (``chain_rule``). A cost model can under- or
-# over-draft, and an n-gram stage can cost more than it saves on some machine: a fixed way the
-# clock finds faster here is played instead, and plain steps when nothing drafted pays.
+# (the chain strategy's) runs in one native call (``chain_rule``), and so does the rest of a
+# block of a fixed arm's rounds (``_cpu.chain_rounds``, ``_cpu.lookup_steps``). A cost model can
+# under- or over-draft, and an n-gram stage can cost more than it saves on some machine: a fixed
+# way the clock finds faster here is played instead, and plain steps when nothing drafted pays.
 PLAIN, PLANNED = 0, 1
 FIXED_DEPTHS = (1, 2, 3)
 LOOKUP_DEPTH = 3
