@@ -1557,38 +1557,37 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
              const std::vector<int64_t>& history) {
   constexpr int kOrder = 3;  // ContextLookup.ORDER: a lookup-first round needs a 3-token match
   SE_CHECK(!unseen.empty(), "unseen must hold at least the root");
+  SE_CHECK(depth >= 1 && depth <= 63, "depth must be in [1, 63], got ", depth);
+  SE_CHECK(n >= 1, "n must be >= 1, got ", n);
+  SE_CHECK(max_rounds >= 1, "max_rounds must be >= 1, got ", max_rounds);
+  SE_CHECK(d_start >= 0 && o_start >= 0 && root_position >= 0, "starts and positions must be >= 0");
   const int64_t vocab = oracle.vocab_size();
-  for (const int64_t t : history)
-    SE_CHECK(t >= 0 && t < vocab, "history must hold token ids in [0, ", vocab, "), got ", t);
   SE_CHECK(unseen.back() >= 0 && unseen.back() < vocab, "the root must be a token id in [0, ", vocab, "), got ",
            unseen.back());
+  for (const int64_t t : history)
+    SE_CHECK(t >= 0 && t < vocab, "history must hold token ids in [0, ", vocab, "), got ", t);
   std::vector<int64_t> seq;  // the text to the root, for prompt lookup
   if (lookup_first) {
     seq.reserve(history.size() + static_cast<size_t>(n) + 1);
     seq.assign(history.begin(), history.end());
     seq.push_back(unseen.back());
   }
-  int64_t lookup_rounds = 0;
-  SE_CHECK(depth >= 1 && depth <= 63, "depth must be in [1, 63], got ", depth);
-  SE_CHECK(n >= 1, "n must be >= 1, got ", n);
-  SE_CHECK(max_rounds >= 1, "max_rounds must be >= 1, got ", max_rounds);
-  SE_CHECK(d_start >= 0 && o_start >= 0 && root_position >= 0, "starts and positions must be >= 0");
   using clock = std::chrono::steady_clock;
   std::vector<int64_t> out, lengths;
   out.reserve(static_cast<size_t>(n));
-  int64_t d_kept = 0, d_passes = 0, d_rows = 0, o_rows = 0;
+  int64_t d_kept = 0, d_passes = 0, d_rows = 0, o_rows = 0, lookup_rounds = 0;
   double d_seconds = 0.0, o_seconds = 0.0;
   for (int64_t round = 0; round < max_rounds && static_cast<int64_t>(out.size()) < n; ++round) {
-    const int64_t left = n - static_cast<int64_t>(out.size());
-    const int64_t o_at = o_start + static_cast<int64_t>(out.size()), root_at = root_position + static_cast<int64_t>(out.size());
-    const int64_t d_at = d_start + d_kept;
+    const int64_t done = static_cast<int64_t>(out.size());
+    const int64_t left = n - done, take = std::min(depth, left - 1);  // this round's chain, at most
+    const int64_t o_at = o_start + done, root_at = root_position + done, d_at = d_start + d_kept;
     const int64_t unseen_n = static_cast<int64_t>(unseen.size());
     std::vector<int64_t> path, emitted;
     int64_t passes = 0;
     const int64_t from = lookup_first && left >= 2 ? latest_follower(seq, kOrder) : -1;
     if (from >= 0) {  // prompt lookup's chain, no draft pass
       std::vector<int64_t> chain{unseen.back()};
-      for (int64_t j = from; j < static_cast<int64_t>(seq.size()) && static_cast<int64_t>(chain.size()) <= std::min(depth, left - 1); ++j)
+      for (int64_t j = from; j < static_cast<int64_t>(seq.size()) && static_cast<int64_t>(chain.size()) <= take; ++j)
         chain.push_back(seq[static_cast<size_t>(j)]);
       const int64_t rows = static_cast<int64_t>(chain.size());
       std::vector<int64_t> pos(rows), parents(rows);
@@ -1604,8 +1603,8 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
       ++lookup_rounds;
     } else if (left >= 2) {
       auto [chain, logr, p, e, dp, ds, os] =
-          chain_round(draft, dk, dv, d_at, unseen, d_at, oracle, ok, ov, o_at, root_at, std::min(depth, left - 1), temperature,
-                      top_k, top_p, seed, d_temperature, d_top_k, d_seed, {}, {}, {});
+          chain_round(draft, dk, dv, d_at, unseen, d_at, oracle, ok, ov, o_at, root_at, take, temperature, top_k, top_p,
+                      seed, d_temperature, d_top_k, d_seed, {}, {}, {});
       path = std::move(p);
       emitted = std::move(e);
       passes = dp;
