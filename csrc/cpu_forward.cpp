@@ -1410,6 +1410,27 @@ class NativeGPT2 {
   aligned_vector<float> arena_f_;     // and its float32 ones
 };
 
+// The oracle's pass over a chain (its root first) at positions position.., written to cache slots
+// slot.. of row 0 as pending entries, walked with the sampling rule (verify_tree: each row's choice
+// at its position's noise; a token is kept while the choice equals it): (path, emitted). Adds the
+// pass's seconds to ``seconds``. A chain of the root alone is a plain step.
+std::pair<std::vector<int64_t>, std::vector<int64_t>> verify_chain(NativeGPT2& oracle, torch::Tensor k, torch::Tensor v,
+                                                                   const std::vector<int64_t>& chain, int64_t slot,
+                                                                   int64_t position, double temperature, int64_t top_k,
+                                                                   double top_p, uint64_t seed, double& seconds) {
+  const int64_t n = static_cast<int64_t>(chain.size());
+  std::vector<int64_t> pos(n), parents(n);
+  for (int64_t i = 0; i < n; ++i) {
+    pos[i] = position + i;
+    parents[i] = i - 1;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const torch::Tensor logits = oracle.forward_ids(chain, pos, k, v, slot, n, c10::nullopt, false);
+  auto walked = verify_tree(logits, chain, parents, seed, pos, temperature, top_k, top_p);
+  seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return walked;
+}
+
 // One round of a draft chain (fixed, or planned: below), drafted and verified without returning
 // to Python (the Python round costs as much as a small draft's passes: ~150 us of interpreter
 // work, most of it cache misses after the oracle's pass has streamed its weights through L2).
@@ -1492,18 +1513,9 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
     }
   std::vector<int64_t> path, emitted;
   double oracle_seconds = 0.0;
-  if (chain.size() > 1) {
-    const auto t0 = clock::now();
-    const int64_t n = static_cast<int64_t>(chain.size());
-    std::vector<int64_t> pos(n), parents(n);
-    for (int64_t i = 0; i < n; ++i) {
-      pos[i] = root_position + i;
-      parents[i] = i - 1;
-    }
-    const torch::Tensor logits = oracle.forward_ids(chain, pos, ok, ov, o_start, n, c10::nullopt, false);
-    std::tie(path, emitted) = verify_tree(logits, chain, parents, seed, pos, temperature, top_k, top_p);
-    oracle_seconds = secs(t0, clock::now());
-  }
+  if (chain.size() > 1)
+    std::tie(path, emitted) =
+        verify_chain(oracle, ok, ov, chain, o_start, root_position, temperature, top_k, top_p, seed, oracle_seconds);
   chain.erase(chain.begin());
   return {chain, logr, path, emitted, passes, draft_seconds, oracle_seconds};
 }
@@ -1572,7 +1584,6 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
     seq.assign(history.begin(), history.end());
     seq.push_back(unseen.back());
   }
-  using clock = std::chrono::steady_clock;
   std::vector<int64_t> out, lengths;
   out.reserve(static_cast<size_t>(n));
   int64_t d_kept = 0, d_passes = 0, d_rows = 0, o_rows = 0, lookup_rounds = 0;
@@ -1584,22 +1595,13 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
     const int64_t unseen_n = static_cast<int64_t>(unseen.size());
     std::vector<int64_t> path, emitted;
     int64_t passes = 0;
+    // The chain the oracle verifies when the draft does not run or offers nothing: prompt
+    // lookup's (no draft pass), or the root alone (a plain step).
+    std::vector<int64_t> chain{unseen.back()};
     const int64_t from = lookup_first && left >= 2 ? latest_follower(seq, kOrder) : -1;
-    if (from >= 0) {  // prompt lookup's chain, no draft pass
-      std::vector<int64_t> chain{unseen.back()};
+    if (from >= 0) {
       for (int64_t j = from; j < static_cast<int64_t>(seq.size()) && static_cast<int64_t>(chain.size()) <= take; ++j)
         chain.push_back(seq[static_cast<size_t>(j)]);
-      const int64_t rows = static_cast<int64_t>(chain.size());
-      std::vector<int64_t> pos(rows), parents(rows);
-      for (int64_t i = 0; i < rows; ++i) {
-        pos[i] = root_at + i;
-        parents[i] = i - 1;
-      }
-      const auto t0 = clock::now();
-      const torch::Tensor logits = oracle.forward_ids(chain, pos, ok, ov, o_at, rows, c10::nullopt, false);
-      std::tie(path, emitted) = verify_tree(logits, chain, parents, seed, pos, temperature, top_k, top_p);
-      o_seconds += std::chrono::duration<double>(clock::now() - t0).count();
-      o_rows += rows;
       ++lookup_rounds;
     } else if (left >= 2) {
       auto [chain, logr, p, e, dp, ds, os] =
@@ -1614,13 +1616,9 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
       o_seconds += os;
       if (!path.empty()) o_rows += static_cast<int64_t>(chain.size()) + 1;
     }
-    if (path.empty()) {  // a plain step: the oracle's pass over the root alone
-      const std::vector<int64_t> root{unseen.back()}, pos{root_at}, parents{-1};
-      const auto t0 = clock::now();
-      const torch::Tensor logits = oracle.forward_ids(root, pos, ok, ov, o_at, 1, c10::nullopt, false);
-      std::tie(path, emitted) = verify_tree(logits, root, parents, seed, pos, temperature, top_k, top_p);
-      o_seconds += std::chrono::duration<double>(clock::now() - t0).count();
-      o_rows += 1;
+    if (path.empty()) {
+      std::tie(path, emitted) = verify_chain(oracle, ok, ov, chain, o_at, root_at, temperature, top_k, top_p, seed, o_seconds);
+      o_rows += static_cast<int64_t>(chain.size());
     }
     // The draft's entries kept (its accept_chain): the unseen tokens' and those of the accepted
     // chain tokens it evaluated (chain token i was the input of its pass i); with no pass, none.
@@ -1672,14 +1670,13 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   SE_CHECK(root >= 0 && root < vocab, "root must be a token id in [0, ", vocab, "), got ", root);
   for (const int64_t t : history)
     SE_CHECK(t >= 0 && t < vocab, "history must hold token ids in [0, ", vocab, "), got ", t);
-  using clock = std::chrono::steady_clock;
   const bool lookup = depth > 0;
   std::vector<int64_t> seq;
   if (lookup) seq.reserve(history.size() + static_cast<size_t>(n) + 1);
   if (lookup) seq.assign(history.begin(), history.end());
   seq.push_back(root);
   auto follower = [&](int m) { return latest_follower(seq, m); };
-  std::vector<int64_t> out, chain, positions, parents, path, emitted, lengths;
+  std::vector<int64_t> out, chain, path, emitted, lengths;
   out.reserve(static_cast<size_t>(n));
   int64_t slot = start, proposed = 0, kept = 0;
   double forward_seconds = 0.0;
@@ -1694,19 +1691,10 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
         chain.push_back(seq[static_cast<size_t>(j)]);
       break;
     }
-    const int64_t rows = static_cast<int64_t>(chain.size());
-    positions.resize(static_cast<size_t>(rows));
-    parents.resize(static_cast<size_t>(rows));
-    for (int64_t i = 0; i < rows; ++i) {
-      positions[static_cast<size_t>(i)] = slot + i;
-      parents[static_cast<size_t>(i)] = i - 1;
-    }
-    const auto t0 = clock::now();
-    // Slots slot.. as a committed row of length ``slot`` with ``rows`` new entries (bounds checked there).
-    const torch::Tensor logits = model.forward_ids(chain, positions, k, v, slot, rows, c10::nullopt, false);
-    forward_seconds += std::chrono::duration<double>(clock::now() - t0).count();
-    proposed += rows - 1;
-    std::tie(path, emitted) = verify_tree(logits, chain, parents, seed, positions, temperature, top_k, top_p);
+    // Slots slot.. as a committed row of length ``slot`` with the chain's new entries (bounds
+    // checked in forward_ids).
+    std::tie(path, emitted) = verify_chain(model, k, v, chain, slot, slot, temperature, top_k, top_p, seed, forward_seconds);
+    proposed += static_cast<int64_t>(chain.size()) - 1;
     // The root and path.size() - 1 kept tokens are in place; the rest is overwritten by the next pass.
     const auto stop = std::find(emitted.begin(), emitted.end(), stop_token);
     const bool stopped = stop != emitted.end();

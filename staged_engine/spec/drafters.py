@@ -542,16 +542,12 @@ class ModelDrafter:
         unseen tokens, each later one over a chain token), of which ``accepted`` nodes (the root
         included) were accepted: the evaluated ones among them are the prefix kept."""
         evaluated = min(accepted, passes)
-        self.runner.commit(list(range(len(self.unseen) - 1 + evaluated)))
-        self.unseen = emitted[evaluated - 1:]
-        if self.inner is not None:
-            self.inner.observe(emitted, self.history)
-        self.history.extend(emitted)
+        self.accept_chains(len(self.unseen) - 1 + evaluated, emitted[evaluated - 1:], emitted)
 
     def accept_chains(self, kept: int, unseen: list[int], emitted: list[int]) -> None:
-        """``accept_chain`` after a block of native chain rounds (``_cpu.chain_rounds``) that
-        emitted ``emitted``, kept the first ``kept`` of this draft's pending entries and left it
-        ``unseen`` (the emitted tokens it has not evaluated, ending in the new root)."""
+        """Sync after native chain rounds (one: ``accept_chain``; a block: ``_cpu.chain_rounds``)
+        that emitted ``emitted``, kept the first ``kept`` of this draft's pending entries and left
+        it ``unseen`` (the emitted tokens it has not evaluated, ending in the new root)."""
         if kept:
             self.runner.commit(list(range(kept)))
         else:
