@@ -199,7 +199,8 @@ def render() -> str:
                                  r, "pair_quality.json")
     r = _load("e2e.json")
     if r:
-        parts += section_e2e(r)
+        parts += section_e2e(r, "End to end on the demo pair (`staged-engine bench e2e --prompt-sets heldout --limit 24 "
+                                f"--repeats {r.get('repeats', 1)} --systems hf plain chain tree staged --chains 1 2 3`)")
         parts += _plot("e2e_speedup.png", "speedup over HF generate per system")
         parts += _plot("e2e_accepted_lengths.png", "tokens emitted per oracle call")
     r = _load("e2e_avx2.json")
@@ -264,6 +265,14 @@ def render() -> str:
                          "'{\"dsbd\": {\"dynamic\": false, \"layout\": \"rows\", \"adaptive\": true}}'`)"),
                         ("dsbd_fixed_w4.json", "DSBD with a fixed width, W = 4, one cache row per beam"),
                         ("dsbd_fixed_w8.json", "DSBD with a fixed width, W = 8, one cache row per beam"),
+                        ("dsbd_fixed_w2_topp.json", "DSBD with a fixed width, W = 2, T 0.8 / top-p 0.95 (the same "
+                         "command with `--temperature 0.8 --top-p 0.95 --out dsbd_fixed_w2_topp.json`)"),
+                        ("dsbd_fixed_w4_topp.json", "DSBD with a fixed width, W = 4, T 0.8 / top-p 0.95"),
+                        ("dsbd_fixed_w8_topp.json", "DSBD with a fixed width, W = 8, T 0.8 / top-p 0.95"),
+                        ("dsbd_fixed_w2_topk.json", "DSBD with a fixed width, W = 2, T 1 / top-k 50 (the same command "
+                         "with `--top-k 50 --out dsbd_fixed_w2_topk.json`)"),
+                        ("dsbd_fixed_w4_topk.json", "DSBD with a fixed width, W = 4, T 1 / top-k 50"),
+                        ("dsbd_fixed_w8_topk.json", "DSBD with a fixed width, W = 8, T 1 / top-k 50"),
                         ("dsbd_fixed_w2_avx2.json", "DSBD with a fixed width, W = 2, one cache row per beam, on an "
                          "AVX2-only machine (the same command with `--out dsbd_fixed_w2_avx2.json`)"),
                         ("dsbd_fixed_w4_avx2.json", "DSBD with a fixed width, W = 4, one cache row per beam, AVX2"),
