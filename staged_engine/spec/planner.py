@@ -326,11 +326,6 @@ class Stints:
         self.rounds = [0] * arms
         self.checks = 0
         self.prev_arm = -1  # the arm of the block before the current one
-        # Generations begun (``new_generation``), the one the current block's first round ran in,
-        # and whether another began while it ran; the same of the block before. Only blocks alike
-        # in this are compared (``record``).
-        self.generation = self.block_generation = self.prev_generation = 0
-        self.block_crossed = self.prev_crossed = False
         # The first comparisons: every drafting arm next to a plain block.
         self.plan = [1, 0] + [a for arm in range(2, arms) for a in (arm, 0)][:-1] if arms > 2 else [1, 0, 1]
         self.stint = first_stint
@@ -367,23 +362,11 @@ class Stints:
             self._watch(self.arm, self.tokens / timed)
         self.tokens = self.seconds = 0.0
         a, b = self.arm, self.prev_arm
-        # Adjacent blocks are compared only where they ran alike: both within one generation, the
-        # same one, or both across the start of one. A generation's rounds slow as its context
-        # grows and its first rounds after the prefill are slower still (demo oracle on an
-        # AVX-512 Zen 4, plain steps: 0.16 ms a token under 128 cached tokens, 0.25 at 256, 0.33 at
-        # 512), so a block that ran the end of one generation and the start of the next, paired
-        # with one that ran in the middle of a generation, was off by up to 0.3-0.6 in log rate.
-        # Such pairs had kept a fixed chain at 0.7-0.8x plain steps' rate favoured for a dozen
-        # 128-token generations at T 0.8 / top-p 0.95 there. Generations shorter than a block
-        # run every block across a start, and those blocks still compare with each other.
-        alike = (self.block_crossed and self.prev_crossed) or \
-            (not self.block_crossed and not self.prev_crossed and self.block_generation == self.prev_generation)
         if rate > 0:  # a block with timed rounds (each emits a token)
             self.last[a] = rate
-            if b >= 0 and b != a and self.last[b] > 0 and alike:
+            if b >= 0 and b != a and self.last[b] > 0:
                 self._pair(a, b, math.log(rate / self.last[b]))
         self.prev_arm = a
-        self.prev_generation, self.prev_crossed = self.block_generation, self.block_crossed
         if not self.plan:
             self._schedule()
         self._next_block()
@@ -401,16 +384,6 @@ class Stints:
         # arm's rate (4 / 4.7). So the round plays but stays off the block's clock.
         self.warming = self.arm != PLAIN and self.arm not in self.draftless and self.prev_arm in (PLAIN, -1)
         self.warm_rounds = 0
-        self.block_generation, self.block_crossed = self.generation, False
-
-    def new_generation(self) -> None:
-        """A generation begins (its planner is made): a block that has run rounds now runs across
-        its start (see ``record``); one that has not starts in it."""
-        self.generation += 1
-        if self.rounds_left < self.block_rounds:
-            self.block_crossed = True
-        else:
-            self.block_generation = self.generation
 
     def _block_rounds(self, arm: int) -> int:
         """Rounds of the block ``arm`` starts: a whole block for plain steps and for the favoured
@@ -604,7 +577,6 @@ class RoundPlanner:
     def __init__(self, oracle: CostProfile, draft: CostProfile, memory: PlannerMemory | None = None) -> None:
         self.oracle_cost, self.draft_cost = oracle, draft
         self.m = memory if memory is not None else PlannerMemory()
-        self.m.stints.new_generation()
         self.acceptance = self.m.acceptance
         self.context = -1
         self._set_context(0)
