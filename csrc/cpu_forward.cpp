@@ -1534,6 +1534,13 @@ int64_t latest_follower(const std::vector<int64_t>& seq, int m) {
   return -1;
 }
 
+// Prompt lookup's chain: appends to ``chain`` (the root) the tokens of seq from index ``from`` on,
+// until the chain holds ``take`` tokens after its root or seq ends.
+void extend_lookup_chain(std::vector<int64_t>& chain, const std::vector<int64_t>& seq, int64_t from, int64_t take) {
+  for (int64_t j = from; j < static_cast<int64_t>(seq.size()) && static_cast<int64_t>(chain.size()) <= take; ++j)
+    chain.push_back(seq[static_cast<size_t>(j)]);
+}
+
 // A block of rounds of a fixed draft chain in one native call: chain_round after chain_round,
 // each round's kept entries committed in place before the next, without returning to Python
 // between them. What it spares is the interpreter between rounds: the engine's loop, the
@@ -1600,11 +1607,10 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
     std::vector<int64_t> chain{unseen.back()};
     const int64_t from = lookup_first && left >= 2 ? latest_follower(seq, kOrder) : -1;
     if (from >= 0) {
-      for (int64_t j = from; j < static_cast<int64_t>(seq.size()) && static_cast<int64_t>(chain.size()) <= take; ++j)
-        chain.push_back(seq[static_cast<size_t>(j)]);
+      extend_lookup_chain(chain, seq, from, take);
       ++lookup_rounds;
     } else if (left >= 2) {
-      auto [chain, logr, p, e, dp, ds, os] =
+      auto [drafted, logr, p, e, dp, ds, os] =
           chain_round(draft, dk, dv, d_at, unseen, d_at, oracle, ok, ov, o_at, root_at, take, temperature, top_k, top_p,
                       seed, d_temperature, d_top_k, d_seed, {}, {}, {});
       path = std::move(p);
@@ -1614,7 +1620,7 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
       d_rows += unseen_n + dp - 1;
       d_seconds += ds;
       o_seconds += os;
-      if (!path.empty()) o_rows += static_cast<int64_t>(chain.size()) + 1;
+      if (!path.empty()) o_rows += static_cast<int64_t>(drafted.size()) + 1;  // the root and the drafted tokens
     }
     if (path.empty()) {
       std::tie(path, emitted) = verify_chain(oracle, ok, ov, chain, o_at, root_at, temperature, top_k, top_p, seed, o_seconds);
@@ -1675,7 +1681,6 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   if (lookup) seq.reserve(history.size() + static_cast<size_t>(n) + 1);
   if (lookup) seq.assign(history.begin(), history.end());
   seq.push_back(root);
-  auto follower = [&](int m) { return latest_follower(seq, m); };
   std::vector<int64_t> out, chain, path, emitted, lengths;
   out.reserve(static_cast<size_t>(n));
   int64_t slot = start, proposed = 0, kept = 0;
@@ -1685,10 +1690,9 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
     const int64_t room = std::min<int64_t>(depth, n - static_cast<int64_t>(out.size()) - 1);
     chain.assign(1, seq.back());
     for (int m = std::min<int64_t>(kOrder, len); room > 0 && m >= min_order; --m) {
-      const int64_t from = follower(m);
+      const int64_t from = latest_follower(seq, m);
       if (from < 0) continue;
-      for (int64_t j = from; j < len && static_cast<int64_t>(chain.size()) <= room; ++j)
-        chain.push_back(seq[static_cast<size_t>(j)]);
+      extend_lookup_chain(chain, seq, from, room);
       break;
     }
     // Slots slot.. as a committed row of length ``slot`` with the chain's new entries (bounds

@@ -253,6 +253,13 @@ class SpeculativeDecoder(Decoder):
         self.accepted_lengths.extend(lengths)
         return out, len(lengths)
 
+    def _native_rules(self) -> tuple:
+        """(temperature, top_k, top_p, seed) of the oracle's rule and (temperature, top_k, seed) of
+        the draft's, as the native chain rounds take them (greedy: the draft's argmax)."""
+        t, top_k, top_p, seed = self.sampling.rule
+        dt, dk, _, dseed = (0.0, 0, 1.0, 0) if self.sampling.greedy else self.sampling.draft_rule
+        return t, top_k, top_p, seed or 0, dt, dk, dseed or 0
+
     def _native_chain(self, remaining: int, depth: int, planner: RoundPlanner | None = None,
                       budget: int | None = None) -> list[int] | None:
         """A round of a draft chain in one native call (``_cpu.chain_round``: the draft's passes,
@@ -270,16 +277,15 @@ class SpeculativeDecoder(Decoder):
                                     depth + 1 if budget is None else budget)
         if depth <= 0:
             return None
-        draft, unseen, sampling = drafter.runner, drafter.unseen, self.sampling
+        draft, unseen = drafter.runner, drafter.unseen
         n_unseen = len(unseen)
-        t, top_k, top_p, seed = sampling.rule
-        dt, dk, _, dseed = (0.0, 0, 1.0, 0) if sampling.greedy else sampling.draft_rule
+        t, top_k, top_p, seed, dt, dk, dseed = self._native_rules()
         calibration, go, keep = planner.chain_rule(depth) if planner is not None else ((), (), ())
         d_start = draft.reserve(n_unseen + depth - 1)
         o_start = oracle.reserve(depth + 1)
         chain, logr, path, emitted, passes, d_seconds, o_seconds = _cpu.chain_round(
             draft.native, draft.cache.k, draft.cache.v, d_start, unseen, d_start, oracle.native, oracle.cache.k,
-            oracle.cache.v, o_start, root_position, depth, t, top_k, top_p, seed or 0, dt, dk, dseed or 0,
+            oracle.cache.v, o_start, root_position, depth, t, top_k, top_p, seed, dt, dk, dseed,
             calibration, go, keep)
         draft.count(passes, d_seconds, n_unseen + passes - 1)
         if not path:  # the draft had no token worth offering: a plain step
@@ -317,16 +323,15 @@ class SpeculativeDecoder(Decoder):
         n = min(remaining, n_ctx - 1 - root_position, drafter.chain_depth(remaining - 1, remaining) + 1)
         if n < 2:
             return None
-        draft, unseen, sampling = drafter.runner, drafter.unseen, self.sampling
-        t, top_k, top_p, seed = sampling.rule
-        dt, dk, _, dseed = (0.0, 0, 1.0, 0) if sampling.greedy else sampling.draft_rule
+        draft, unseen = drafter.runner, drafter.unseen
+        t, top_k, top_p, seed, dt, dk, dseed = self._native_rules()
         d_start = draft.reserve(len(unseen) + n - 1)
         o_start = oracle.reserve(n)
         try:
             out, lengths, unseen, kept, passes, d_rows, d_seconds, o_seconds, o_rows, _ = _cpu.chain_rounds(
                 draft.native, draft.cache.k, draft.cache.v, d_start, unseen, oracle.native, oracle.cache.k,
-                oracle.cache.v, o_start, root_position, depth, n, max(rounds, 1), t, top_k, top_p, seed or 0, dt, dk,
-                dseed or 0, -1 if self.stop_token is None else self.stop_token, lookup_first,
+                oracle.cache.v, o_start, root_position, depth, n, max(rounds, 1), t, top_k, top_p, seed, dt, dk, dseed,
+                -1 if self.stop_token is None else self.stop_token, lookup_first,
                 drafter.history[:-1] if lookup_first else [])
         except BaseException:
             draft.discard()
