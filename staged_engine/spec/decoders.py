@@ -153,9 +153,14 @@ class SpeculativeDecoder(Decoder):
         self.clock.reset()
         self.catch_up_left = self.catch_up_per_token = 0.0
 
-    def _drafted_seconds(self, emitted: int) -> float:
+    def _drafted_seconds(self, emitted: int, remaining: int) -> float:
         """A drafted round's seconds on the clock plus its share of the last catch-up (``round``),
-        never more than what is left of it."""
+        never more than what is left of it. A call off the clock (``RoundPlanner.off_clock``: a
+        generation's first) pays none: its tokens' share is spread over the ``remaining`` tokens
+        after it, so the rounds on the clock still pay the whole catch-up."""
+        if self.planner.off_clock():
+            self.catch_up_per_token = self.catch_up_left / max(remaining - emitted, 1)
+            return self.clock.seconds()
         share = min(self.catch_up_left, self.catch_up_per_token * emitted)
         self.catch_up_left -= share
         return self.clock.seconds() + share
@@ -217,14 +222,14 @@ class SpeculativeDecoder(Decoder):
                 if block is not None:
                     out, rounds = block
                     n = min(len(out), remaining)
-                    planner.observe_fixed(n, self._drafted_seconds(n) if drafting else clock.seconds(), rounds)
+                    planner.observe_fixed(n, self._drafted_seconds(n, remaining) if drafting else clock.seconds(), rounds)
                     return out
             lookup = way.lookup or (way.lookup_first and self.drafter.lookup_matches())
             emitted = None if lookup else self._native_chain(remaining, way.depth)
             if emitted is None:
                 emitted = self._round(remaining, way.depth + 1, way.depth, lookup=lookup)[0]
             n = min(len(emitted), remaining)
-            planner.observe_fixed(n, self._drafted_seconds(n) if drafting else clock.seconds())
+            planner.observe_fixed(n, self._drafted_seconds(n, remaining) if drafting else clock.seconds())
             return emitted
         shape = self.drafter.shape
         emitted = self._native_chain(remaining, shape.max_depth, planner, shape.budget)
@@ -232,7 +237,7 @@ class SpeculativeDecoder(Decoder):
             return emitted
         emitted, draft, path = self._round(remaining, shape.budget, shape.max_depth, planner)
         n = min(len(emitted), remaining)
-        planner.observe(draft.tree, draft.logr, path, n, self._drafted_seconds(n))
+        planner.observe(draft.tree, draft.logr, path, n, self._drafted_seconds(n, remaining))
         return emitted
 
     def extra_stats(self) -> dict:
@@ -300,7 +305,7 @@ class SpeculativeDecoder(Decoder):
             self.accepted_lengths.append(len(emitted))
         if planner is not None:
             n = min(len(emitted), remaining)
-            planner.observe_chain(logr, max(len(path), 1), n_unseen, passes, n, self._drafted_seconds(n))
+            planner.observe_chain(logr, max(len(path), 1), n_unseen, passes, n, self._drafted_seconds(n, remaining))
         return emitted
 
     def _native_chain_block(self, remaining: int, depth: int, rounds: int,

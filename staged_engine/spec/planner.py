@@ -265,6 +265,10 @@ def save_memory(path: str, memory: "PlannerMemory") -> None:
         warnings.warn(f"could not keep the planner memory at {path}: {exc}", stacklevel=3)
 
 
+# Rounds a generation's first call may run, off the clock (``Stints.start_generation``).
+GENERATION_WARM = 4
+
+
 class Stints:
     """Which way to run the coming rounds, chosen by the tokens per second each way delivered.
 
@@ -294,7 +298,9 @@ class Stints:
     look and a check of a challenger scored more than ``far`` behind run a quarter block
     (``_block_rounds``). The first round of a drafting block after plain steps plays off the
     block's clock: it pays for the switch (a cold draft), not for the arm's rate; the arms that
-    run no draft (``draftless``) are on the clock from their first round.
+    run no draft (``draftless``) are on the clock from their first round. A generation's first
+    call, of at most ``GENERATION_WARM`` rounds, plays off the clock too, whatever the arm: the
+    passes after a prefill or an idle spell run slow for a while (``start_generation``).
     """
 
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
@@ -345,12 +351,28 @@ class Stints:
         """log(best drafting arm's rate / plain's rate)."""
         return max(self.score[1:])
 
+    def start_generation(self) -> None:
+        """A generation starts: its first call, of at most ``GENERATION_WARM`` rounds of whatever
+        arm is playing, runs off the clock (``warm_limit``). After a prompt's prefill, or after
+        the threads sat idle between requests, the first decode passes run slow and speed up over
+        a millisecond or so: the demo oracle's one-row passes after a 133-token prefill took
+        0.57, 0.44, 0.37, 0.29, 0.27, 0.24 ms, then 0.22 (after single-step passes, 0.20 from
+        the first; after 10 ms idle, 0.91, 0.46, 0.33, ..; AMD EPYC Zen 4). Blocks run across
+        generations, so the block a generation starts in was charged its ramp, and the arm next
+        to it scored against that: in the sampled e2e runs a plain block holding a generation's
+        first call ran 0.339 ms a token against 0.265 for the rest (medians, 48 and 383 calls),
+        and after cold starts at top-p a chain of two at 0.8x plain stayed favoured for the first
+        five prompts (15 repeats each). The first four passes hold ~90% of the ramp."""
+        self.warming = True
+        self.warm_limit = GENERATION_WARM
+
     def record(self, tokens: int, seconds: float, rounds: int = 1) -> None:
         self.rounds_left -= rounds
         self.rounds[self.arm] += rounds
-        if self.warming:  # the block's first round, off its clock (``_next_block``)
+        if self.warming:  # a call off the clock: a cold draft's round (``_next_block``) or a
+            # generation's first (``start_generation``)
             self.warming = False
-            self.warm_rounds = rounds
+            self.warm_rounds += rounds
         else:
             self.tokens += tokens
             self.seconds += seconds
@@ -383,6 +405,7 @@ class Stints:
         # once a stint, not of the arm's rate; in a first look of 4 rounds it took 15% off the
         # arm's rate (4 / 4.7). So the round plays but stays off the block's clock.
         self.warming = self.arm != PLAIN and self.arm not in self.draftless and self.prev_arm in (PLAIN, -1)
+        self.warm_limit = 1  # rounds the call off the clock may run
         self.warm_rounds = 0
 
     def _block_rounds(self, arm: int) -> int:
@@ -582,6 +605,7 @@ class RoundPlanner:
         self._set_context(0)
         self.drafted_rounds = self.plain_rounds = self.fixed_rounds = self.lookup_step_rounds = 0
         self.pass_rows: list[int] = []  # rows of each draft pass of the round being built
+        self.m.stints.start_generation()  # one planner a generation
 
     # ------------------------------------------------------------- costs
     def _set_context(self, context: int) -> None:
@@ -661,14 +685,19 @@ class RoundPlanner:
         return self.m.arms[index]
 
     def plain_steps(self) -> int:
-        """How many plain steps may run back to back now (the rest of the current block)."""
-        return self.m.stints.rounds_left
+        """How many plain steps may run back to back now (``block_rounds``)."""
+        return self.block_rounds()
 
     def block_rounds(self) -> int:
-        """Rounds the coming call may run of the current block: the rest of it, or one while the
-        block's first round plays off its clock (``Stints.record``: a cold draft's round)."""
+        """Rounds the coming call may run of the current block: the rest of it, or while a call
+        plays off the clock (``Stints.record``: a cold draft's round, a generation's first
+        rounds) at most ``warm_limit`` of them."""
         stints = self.m.stints
-        return 1 if stints.warming else stints.rounds_left
+        return min(stints.warm_limit, stints.rounds_left) if stints.warming else stints.rounds_left
+
+    def off_clock(self) -> bool:
+        """Whether the coming call's seconds stay off its arm's clock (``block_rounds``)."""
+        return self.m.stints.warming
 
     def node_values(self, tree: Tree, logr: list[float]) -> list[float]:
         """A(n) for every node of ``tree`` (root 1.0), ``logr[n]`` the draft's log probability of
