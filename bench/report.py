@@ -203,6 +203,12 @@ def render() -> str:
                                 f"--repeats {r.get('repeats', 1)} --systems hf plain chain tree staged --chains 1 2 3`)")
         parts += _plot("e2e_speedup.png", "speedup over HF generate per system")
         parts += _plot("e2e_accepted_lengths.png", "tokens emitted per oracle call")
+    r = _load("e2e_repeats15.json")
+    if r:
+        parts += section_e2e(r, "End to end, each prompt repeated more, no HF (`staged-engine bench e2e --prompt-sets "
+                                f"heldout --limit 24 --repeats {r.get('repeats', 1)} --systems plain staged --chains 1 2 3 "
+                                "--out e2e_repeats15.json`): the slowest-prompt column with less noise",
+                             "e2e_repeats15.json")
     r = _load("e2e_avx2.json")
     if r:
         parts += section_e2e(r, "End to end on an AVX2-only machine (`staged-engine bench e2e --prompt-sets heldout "
