@@ -359,10 +359,10 @@ class Stints:
         0.57, 0.44, 0.37, 0.29, 0.27, 0.24 ms, then 0.22 (after single-step passes, 0.20 from
         the first; after 10 ms idle, 0.91, 0.46, 0.33, ..; AMD EPYC Zen 4). Blocks run across
         generations, so the block a generation starts in was charged its ramp, and the arm next
-        to it scored against that: in the sampled e2e runs a plain block holding a generation's
-        first call ran 0.339 ms a token against 0.265 for the rest (medians, 48 and 383 calls),
-        and after cold starts at top-p a chain of two at 0.8x plain stayed favoured for the first
-        five prompts (15 repeats each). The first four passes hold ~90% of the ramp."""
+        to it scored against that: in staged top-p runs a plain block's first call of a
+        generation ran 0.339 ms a token against 0.265 for its other calls (medians, 48 and 383
+        calls), and in simulation with this ramp an arm at 0.8x plain was scored 0.1 too high in
+        log rate, one at 1.25x 0.08 too low. The first four passes hold ~90% of the ramp."""
         self.warming = True
         self.warm_limit = GENERATION_WARM
 
