@@ -189,13 +189,13 @@ class SpeculativeDecoder(Decoder):
         if planner.playing_plain():  # the rest of a block of plain steps, in one native call
             # with no planning: interpreter work between passes runs from caches the oracle's
             # weights have just streamed through
-            out = self.plain_steps(min(remaining, planner.plain_steps()))
+            out = self.plain_steps(min(remaining, planner.block_rounds()))
             self.drafter.skip(out)
             planner.observe_steps(len(out), clock.seconds())
             return out
         steps = planner.steps_arm()
         if steps is not None:  # the rest of a block of prompt lookup's passes, in one native call
-            out, passes = self.lookup_steps(min(remaining, planner.plain_steps()), steps.depth, steps.order or 1)
+            out, passes = self.lookup_steps(min(remaining, planner.block_rounds()), steps.depth, steps.order or 1)
             self.drafter.skip(out)
             planner.observe_lookup_steps(len(out), passes, clock.seconds())
             return out

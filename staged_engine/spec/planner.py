@@ -662,14 +662,14 @@ class RoundPlanner:
         return self.m.stints.arm
 
     def playing_plain(self) -> bool:
-        """Whether the coming round is plain steps (``plain_steps`` says how many)."""
+        """Whether the coming round is plain steps (``block_rounds`` says how many)."""
         return self.m.stints.arm == PLAIN
 
     def steps_arm(self) -> Arm | None:
         """The arm of the coming round when it runs prompt lookup alone, a pass at a time: plain
         steps with prompt lookup (``Arm.steps``) or prompt lookup's chains (``Arm.lookup``, whose
         rounds are those passes with matches down to one token: ``order`` 0), else None;
-        ``plain_steps`` says how many passes are left of its block."""
+        ``block_rounds`` says how many passes the coming call may run."""
         arm = self.m.arms[self.m.stints.arm]
         return arm if arm.lookup else None
 
@@ -683,10 +683,6 @@ class RoundPlanner:
     def arm(self, index: int) -> Arm:
         """What arm ``index`` (from ``start_round``) plays."""
         return self.m.arms[index]
-
-    def plain_steps(self) -> int:
-        """How many plain steps may run back to back now (``block_rounds``)."""
-        return self.block_rounds()
 
     def block_rounds(self) -> int:
         """Rounds the coming call may run of the current block: the rest of it, or while a call

@@ -986,15 +986,10 @@ def test_lookup_or_draft_rounds_equal_plain(engine, kw, monkeypatch):
     assert memory.stints.rounds[both] == len([k for k in kinds if k != "python"])
 
 
-def test_the_drafts_catch_up_is_spread_over_the_tokens_left(engine, monkeypatch):
-    """The draft's catch-up on the prompt (or on what plain steps left) is the price of drafting
-    in this generation from there on: a drafted round pays its tokens' share of it, spread over
-    the tokens the generation had left. Left off the clock, the draft's prefill of every prompt
-    went unpaid and drafting arms were favoured for a speed they did not deliver; charged to one
-    round, a check block would pay a long plain stint's whole backlog. A catch-up made 80 ms
-    slower, with 8 tokens left, costs a round that emits e tokens e/8 of those 80 ms."""
-    import time as _time
-
+def _fixed_chain_with_slow_catch_up(engine, monkeypatch, caught: list):
+    """A chain decoder whose planner plays whole blocks of a chain of one drafted token, its
+    draft's catch-up made 80 ms slower (each appends True to ``caught``): (decoder, memory, the
+    chain's arm)."""
     from staged_engine.config import SHAPE_LIMITS
     from staged_engine.model.runner import ModelRunner
     from staged_engine.sampling import SamplingConfig, SamplingParams
@@ -1012,22 +1007,33 @@ def test_the_drafts_catch_up_is_spread_over_the_tokens_left(engine, monkeypatch)
     memory.stints.warming = False  # blocks of a stint: every round on the clock
     drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["chain"])
     real = drafter.catch_up
-    caught = []
 
     def slow_catch_up():
         real()
-        _time.sleep(0.08)
+        time.sleep(0.08)
         caught.append(True)
 
     monkeypatch.setattr(drafter, "catch_up", slow_catch_up)
     dec = SpeculativeDecoder(ModelRunner(engine.oracle, engine.backend), sampling, drafter, "chain",
                              lambda: RoundPlanner(*costs, memory))
+    return dec, memory, fixed_1
+
+
+def test_the_drafts_catch_up_is_spread_over_the_tokens_left(engine, monkeypatch):
+    """The draft's catch-up on the prompt (or on what plain steps left) is the price of drafting
+    in this generation from there on: a drafted round pays its tokens' share of it, spread over
+    the tokens the generation had left. Left off the clock, the draft's prefill of every prompt
+    went unpaid and drafting arms were favoured for a speed they did not deliver; charged to one
+    round, a check block would pay a long plain stint's whole backlog. A catch-up made 80 ms
+    slower, with 8 tokens left, costs a round that emits e tokens e/8 of those 80 ms."""
+    caught = []
+    dec, memory, fixed_1 = _fixed_chain_with_slow_catch_up(engine, monkeypatch, caught)
     with torch.inference_mode():
         dec.start(_prompts(1, 40)[0])
         memory.stints.warming = False  # no generation's first call off the clock: every round on it
-        t = _time.perf_counter()
+        t = time.perf_counter()
         emitted = dec.round(8)
-        wall = _time.perf_counter() - t
+        wall = time.perf_counter() - t
     assert caught and wall >= 0.08  # the catch-up ran, inside the round
     share = 0.08 * len(emitted) / 8
     # The call ran rounds of the arm's block (natively, several a call: ``_cpu.chain_rounds``).
@@ -1045,45 +1051,20 @@ def test_the_drafts_catch_up_is_spread_over_the_tokens_left(engine, monkeypatch)
 
 
 def test_a_generations_first_call_is_off_the_clock_and_the_rounds_after_it_pay_the_catch_up(engine, monkeypatch):
-    """A generation's first call runs at most ``GENERATION_WARM`` rounds, off the clock (the
-    passes after a prefill run slow for a while): its seconds and its tokens' share of the
-    draft's catch-up stay off the arm's clock, and the rounds after it pay the whole catch-up
-    between them. A catch-up made 80 ms slower, 12 tokens to go: the first call adds nothing to
-    the block's seconds, the generation's later rounds 80 ms (plus their own time)."""
-    import time as _time
-
-    from staged_engine.config import SHAPE_LIMITS
-    from staged_engine.model.runner import ModelRunner
-    from staged_engine.sampling import SamplingConfig, SamplingParams
-    from staged_engine.spec.decoders import SpeculativeDecoder
-    from staged_engine.spec.drafters import ModelDrafter
-    from staged_engine.spec.planner import GENERATION_WARM, PlannerMemory
-
-    arms = arms_for(False)
-    fixed_1 = next(i for i, a in enumerate(arms) if a.depth == 1)
-    costs = (engine.cost_profile("oracle"), engine.cost_profile("draft"))
-    sampling = SamplingConfig.make(SamplingParams(), VOCAB)
-    memory = PlannerMemory(arms)
-    memory.stints.arm, memory.stints.plan = fixed_1, [fixed_1] * 4
-    memory.stints.rounds_left = memory.stints.block_rounds = 16
-    memory.stints.warming = False
-    drafter = ModelDrafter(ModelRunner(engine.draft, engine.backend), sampling, SHAPE_LIMITS["chain"])
-    real = drafter.catch_up
-
-    def slow_catch_up():
-        real()
-        _time.sleep(0.08)
-
-    monkeypatch.setattr(drafter, "catch_up", slow_catch_up)
-    dec = SpeculativeDecoder(ModelRunner(engine.oracle, engine.backend), sampling, drafter, "chain",
-                             lambda: RoundPlanner(*costs, memory))
+    """A generation's first call runs 4 rounds (``GENERATION_WARM``), off the clock (the passes
+    after a prefill run slow for a while): its seconds and its tokens' share of the draft's
+    catch-up stay off the arm's clock, and the rounds after it pay the whole catch-up between
+    them. A catch-up made 80 ms slower, 12 tokens to go (a chain of one emits at most 2 a round,
+    so the first call cannot end the text): the first call adds nothing to the block's seconds,
+    the generation's later rounds 80 ms (plus their own time)."""
+    caught = []
+    dec, memory, fixed_1 = _fixed_chain_with_slow_catch_up(engine, monkeypatch, caught)
     with torch.inference_mode():
         dec.start(_prompts(1, 40)[0])
         assert memory.stints.warming
         tokens = len(dec.round(12))
-    first = len(dec.accepted_lengths)
-    assert 1 <= first <= GENERATION_WARM and memory.stints.rounds[fixed_1] == first
-    assert memory.stints.seconds == 0.0 and memory.stints.warm_rounds == first and not memory.stints.warming
+    assert caught == [True] and len(dec.accepted_lengths) == 4 and memory.stints.rounds[fixed_1] == 4
+    assert memory.stints.seconds == 0.0 and memory.stints.warm_rounds == 4 and not memory.stints.warming
     with torch.inference_mode():
         while tokens < 12:
             tokens += len(dec.round(12 - tokens))
