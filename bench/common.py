@@ -151,12 +151,3 @@ def load_prompts(sets: list[str], limit: int | None) -> list[dict]:
         out.extend({"set": os.path.basename(name), "id": r.get("task_id", str(i)), "prompt": r["prompt"]}
                    for i, r in enumerate(rows[:limit]))
     return out
-
-
-def loops(text: str) -> bool:
-    """A continuation loops if a non-blank line repeats 4 or more times, or if it holds fewer
-    than 8 distinct words (the definition of issue 13's acceptance line 3)."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    if any(lines.count(ln) >= 4 for ln in set(lines)):
-        return True
-    return len(set(text.split())) < 8

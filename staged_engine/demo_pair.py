@@ -1,4 +1,5 @@
-"""The embedded demo pair: where its models live, its prompts, and its n-gram stage.
+"""The embedded demo pair: where its models live, its prompts (and whether its text loops), and
+its n-gram stage.
 
 The models are ``assets/demo/{oracle,draft}`` (HF GPT-2 directories trained by
 ``staged_engine.training``). The demo n-gram table (the staged second stage) is built on first use from the standard
@@ -26,6 +27,26 @@ DEMO_PROMPTS = [
     'def is_palindrome(text):\n    """Return True if text reads the same backwards, ignoring case."""\n',
 ]
 SAMPLED = dict(temperature=0.8, top_p=0.95)  # the sampled half of the demo, with a fixed seed
+
+
+def loops(text: str) -> bool:
+    """Whether a continuation repeats itself: a non-blank line repeated 4 or more times, fewer
+    than 8 distinct words (issue 13's definition), or one word 8 or more times in a row, which
+    the first two miss in a loop inside one line ("fibi, fibi, fibi, ..."). A small model's greedy
+    text often loops, and a loop is easy to draft: the demo and the e2e bench flag it, so that no
+    speedup is read off repeats alone."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if any(lines.count(ln) >= 4 for ln in set(lines)):
+        return True
+    words = text.split()
+    if len(set(words)) < 8:
+        return True
+    run = 1
+    for a, b in zip(words, words[1:]):
+        run = run + 1 if a == b else 1
+        if run >= 8:
+            return True
+    return False
 NGRAM_ORDER = 3
 NGRAM_TOP_M = 16  # continuations kept per context: bounds memory, the drafter asks for <= 12
 

@@ -264,3 +264,21 @@ def test_the_widening_bench_says_why_when_it_cannot_build_its_loop(monkeypatch, 
     monkeypatch.setattr(widening, "machine", lambda: {"vector_extensions": ["avx"]})
     assert widening.main([]) == 2
     assert "lacks avx2, fma, f16c" in capsys.readouterr().err
+
+
+def test_the_e2e_table_gives_the_speedup_over_prompts_that_do_not_loop():
+    e2e = _bench_module("e2e")
+
+    def run(i, tps, **kw):
+        return {"id": f"P/{i}", "seconds": 1.0, "tokens_per_s": tps, **kw}
+
+    plain = [run(i, 100.0, loops=i < 2) for i in range(5)]  # prompts 0 and 1 loop
+    staged = [run(0, 300.0), run(1, 250.0), run(2, 110.0), run(3, 90.0), run(4, 130.0)]
+    rows = e2e._summarise({"plain": plain, "staged": staged}, None, ["plain", "staged"])
+    assert rows["staged"]["median_speedup_vs_plain"] == pytest.approx(1.3)  # all five
+    assert rows["staged"]["median_speedup_vs_plain_fresh"] == pytest.approx(1.1)  # 1.1, 0.9, 1.3
+    assert rows["staged"]["fresh_prompts"] == 3
+    machine = {"cpu": "Test CPU", "cores": 2, "torch": "x"}
+    text = e2e.markdown({"machine": machine, "n_prompts": 5, "new_tokens": 16, "modes": {"greedy": rows}})
+    assert "vs our plain, the 3 prompts that do not loop (median)" in text and "40% of plain continuations loop" in text
+    assert "| staged | 130.0 |  |  | 1.30x | 1.76x | 0.90x | 1.10x |" in text
