@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from staged_engine import Engine
-from staged_engine.demo_pair import DEMO_DIR, DEMO_PROMPTS
+from staged_engine.demo_pair import DEMO_DIR, DEMO_PROMPTS, loops
 
 CODE = '''def merge(a, b):
     """Merge two sorted lists."""
@@ -101,11 +101,33 @@ def test_strategies_reproduce_plain_on_the_demo_pair(demo, strategy):
             assert res.token_ids == ref.token_ids
 
 
+def test_loops_flags_repeats_within_a_line_as_well_as_repeated_lines():
+    code = CODE + "        else:\n            out.append(b[j])\n            j += 1\n    return out + a[i:] + b[j:]\n"
+    assert not loops(code)
+    assert loops("    f = fibi(f, " + "fibi, " * 30)  # one word 8+ times in a row, on one line
+    assert not loops("    f = fibi(f, " + "fibi, " * 7 + "x)\n" + code)  # 7 in a row is no loop
+    assert loops(code + '    """Return the file."""\n' * 4)  # a line 4 times
+    assert not loops(code + '    """Return the file."""\n' * 3)
+    assert loops("a b c d e f g a b c d e f g")  # fewer than 8 distinct words
+    # issue 13's definition (the test of the pair above) misses the loop within one line
+    assert not _loops("    f = fibi(f, " + "fibi, " * 30 + "\n" + code)
+    assert loops("    f = fibi(f, " + "fibi, " * 30 + "\n" + code)
+
+
 def test_demo_command_runs():
     out = subprocess.run([sys.executable, "-m", "staged_engine.cli", "demo", "--prompts", "1",
-                          "--max-new-tokens", "24"], capture_output=True, text=True, timeout=300)
+                          "--max-new-tokens", "24", "--repeats", "2"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "tok/s" in out.stdout and "identical to plain" in out.stdout
+    assert "median of 2 runs each, alternating" in out.stdout
+    assert out.stdout.count("x plain decoding (median over 1 prompt") == 2, out.stdout  # greedy and sampled
+
+
+def test_demo_command_names_a_bad_repeat_count(capsys):
+    from staged_engine.cli.main import main
+
+    assert main(["demo", "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_generate_with_ids_names_a_word_that_is_no_token_id(capsys):

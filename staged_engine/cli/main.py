@@ -178,11 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load the embedded demo oracle/draft pair (trained here on Python "
                                    "source), generate code from a few prompts with plain decoding and "
                                    "with staged speculation, greedy and seeded sampling, and print the "
-                                   "text, the speed of both and whether the outputs are identical.")
+                                   "text, the speed of both (medians of alternating runs) and whether the "
+                                   "outputs are identical.")
     p.add_argument("--max-new-tokens", type=int, default=192,
                    help="new tokens per prompt (default 192: on a machine the planner has not seen, its "
                         "first comparisons of the ways to draft take about 150 rounds)")
-    p.add_argument("--prompts", type=int, default=3, help="how many built-in prompts to run (default 3)")
+    p.add_argument("--prompts", type=int, default=5, help="how many built-in prompts to run (default 5: all)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each prompt with each strategy, alternating; a prompt's speed is their "
+                        "median (default 3)")
     p.add_argument("--strategy", choices=("chain", "tree", "staged"), default="staged",
                    help="speculative strategy compared with plain decoding (default staged)")
     p.add_argument("--seed", type=int, default=7, help="seed of the sampled half (default 7)")
