@@ -21,7 +21,7 @@ from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, choose
 from staged_engine.spec.cost import CostProfile, keyed_path, load_or_measure, profile_key
-from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
+from staged_engine.spec.decoders import PLAIN_BATCH, Decoder, PlainDecoder, SpeculativeDecoder
 from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
 from staged_engine.spec.planner import (
     PlannerMemory,
@@ -413,7 +413,11 @@ class Engine:
             raise ValueError(f"budget={spec.shape.budget} cannot fit the context window of {n_ctx} "
                              f"tokens: it must be at most {n_ctx}")
 
-    def _decoder(self, state: dict, config: GenerationConfig, sampling: SamplingConfig) -> Decoder:
+    def _decoder(self, state: dict, config: GenerationConfig, sampling: SamplingConfig,
+                 whole: bool = False) -> Decoder:
+        """The generation's decoder. ``whole``: nobody reads the tokens before the generation
+        ends (``generate``), so plain steps run as long a native call as they can (a stream takes
+        its pieces every few tokens)."""
         oracle = self._runner(state, "oracle", self.oracle)
         if config.spec is not None:
             drafter = self._drafter(state, config.strategy, config.spec, sampling)
@@ -423,13 +427,14 @@ class Engine:
                 memory = self._planner_memory(config, costs)
                 factory = lambda: RoundPlanner(*costs, memory)  # noqa: E731
             stop = self.eos_token_id if config.stop_at_eos else None
-            return SpeculativeDecoder(oracle, sampling, drafter, config.strategy, factory, stop)
+            return SpeculativeDecoder(oracle, sampling, drafter, config.strategy, factory, stop, whole=whole)
         if config.beam is not None:
             memory = None
             if config.beam.adaptive and config.strategy == "dsbd" and self.draft is not None:
                 memory = self._dsbd_memory(config)
             return make_beam_decoder(self, config.strategy, sampling, config.num_beams, config.beam, memory)
-        return PlainDecoder(oracle, sampling, self.eos_token_id if config.stop_at_eos else None)
+        return PlainDecoder(oracle, sampling, self.eos_token_id if config.stop_at_eos else None,
+                            batch=None if whole else PLAIN_BATCH)
 
     def _drafter(self, state: dict, strategy: str, spec: SpecConfig, sampling: SamplingConfig) -> ModelDrafter:
         if self.draft is None:
@@ -473,22 +478,22 @@ class Engine:
         masked[ids[-1]] += HEALING_KEEP_BONUS
         return trimmed, int(choose(masked[None], [len(trimmed)], sampling.params, sampling.noise)[0])
 
-    def _rounds(self, prompt, config: GenerationConfig, stats: dict) -> Iterator[list[int]]:
+    def _rounds(self, prompt, config: GenerationConfig, stats: dict, whole: bool = False) -> Iterator[list[int]]:
         """Yield the new tokens of each round; fills ``stats`` as it goes. With token healing the
         first yield is the healed token alone, and ``stats["healed_token"]`` names the prompt
-        token it replaced."""
+        token it replaced. ``whole``: the caller reads the tokens only at the end (``_decoder``)."""
         ids = self.encode(prompt)
         self._check_shape(config)
         sampling = SamplingConfig.make(config.params, self.config.vocab_size, self.device)
         state = self._pool.acquire()
         try:
-            yield from self._generate_in(state, ids, sampling, config, stats)
+            yield from self._generate_in(state, ids, sampling, config, stats, whole)
         finally:  # also when a stream is closed, garbage-collected or abandoned mid-way
             self._pool.release(state)
 
     def _generate_in(self, state: dict, ids: list[int], sampling: SamplingConfig, config: GenerationConfig,
-                     stats: dict) -> Iterator[list[int]]:
-        decoder = self._decoder(state, config, sampling)
+                     stats: dict, whole: bool = False) -> Iterator[list[int]]:
+        decoder = self._decoder(state, config, sampling, whole)
         strategy, max_new_tokens, stop_at_eos = config.strategy, config.max_new_tokens, config.stop_at_eos
         n_ctx = self.config.n_positions
         t0 = time.perf_counter()
@@ -562,7 +567,7 @@ class Engine:
                                        stop_at_eos, token_healing, **options)
         stats: GenerationStats = {}
         tokens: list[int] = []
-        for new in self._rounds(prompt, config, stats):
+        for new in self._rounds(prompt, config, stats, whole=True):
             tokens.extend(new)
         return GenerationResult(tokens, self._text(tokens, stats), stats)
 

@@ -1,10 +1,13 @@
 """stream(): pieces concatenate to generate().text and never split a UTF-8 character."""
 from __future__ import annotations
 
+import math
+
 import pytest
 from ckpt_util import make_hf_checkpoint
 
 from staged_engine import Engine
+from staged_engine.config import GenerationConfig
 from staged_engine.engine import TextStreamer
 
 TEXT = ["héllo wörld ünïcødé 😀🎉 naïve café", "def f(x):\n    return x * 2  # ✓"]
@@ -72,3 +75,39 @@ def test_beams_stream_as_their_shared_prefix_is_fixed(demo, strategy, kwargs):
     assert len(pieces) > 1
     assert "".join(pieces) == ref.text
     assert stats["new_tokens"] == 64 and stats["beam_token_ids"] == ref.stats["beam_token_ids"]
+
+
+def test_generate_runs_plain_steps_in_one_native_call_a_stream_in_pieces(demo, monkeypatch):
+    """Nobody reads generate's tokens before the end: its plain steps run in one native call (each
+    return to Python slows the passes after it), a stream's in calls of 8 (its pieces); a staged
+    generation whose planner plays plain steps runs a whole stint of plain blocks a call. The
+    tokens are the same."""
+    from staged_engine.model.runner import ModelRunner
+
+    calls = []
+    real = ModelRunner.lookup_steps
+
+    def counted(self, root, n, *args, **kwargs):
+        calls.append(n)
+        return real(self, root, n, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "lookup_steps", counted)
+    prompt = "def add(a, b):\n"
+    kw = dict(max_new_tokens=100, strategy="plain", temperature=0.8, top_p=0.95, seed=3, stop_at_eos=False)
+    tokens = demo.generate(prompt, **kw).token_ids
+    assert calls == [100]
+    calls.clear()
+    stats = {}
+    text = "".join(demo.stream(prompt, stats=stats, **kw))
+    assert calls == [8] * 12 + [4] and text == demo.decode(tokens)
+    # a planned chain whose planner's memory favours plain steps, far ahead of the chains (0.6x)
+    calls.clear()
+    chain = dict(kw, strategy="chain")
+    config = GenerationConfig.make("chain", 100, 0.8, 0, 0.95, 3, 1, False, False)
+    st = demo._planner_memory(config, (demo.cost_profile("oracle"), demo.cost_profile("draft"))).stints
+    st.favoured, st.plan, st.stint = 0, [0] * 8, 8
+    st.score = [0.0] + [math.log(0.6)] * (st.n_arms - 1)
+    st.pairs = [4] * st.n_arms
+    st.arm, st.rounds_left, st.warming = 0, 16, False
+    assert demo.generate(prompt, **chain).token_ids == tokens
+    assert calls == [4, 96], calls  # the generation's first call, off the clock, then the run

@@ -366,7 +366,29 @@ class Stints:
         self.warming = True
         self.warm_limit = GENERATION_WARM
 
+    def plain_run(self) -> int:
+        """Rounds from here to the end of the run of plain blocks the plan holds: the rest of the
+        current block (plain steps) and every plain block queued right after it. ``record`` takes
+        them in one call and gives each block its share."""
+        if self.arm != PLAIN:
+            return 0
+        n = self.rounds_left
+        for arm in self.plan:
+            if arm != PLAIN:
+                break
+            n += self._block_rounds(PLAIN)
+        return n
+
     def record(self, tokens: int, seconds: float, rounds: int = 1) -> None:
+        if rounds > self.rounds_left and self.arm == PLAIN and not self.warming:
+            # A run of plain blocks in one call (``plain_run``): each block records its share of
+            # the run's tokens and seconds, so each is read at the run's mean rate.
+            while rounds > 0:
+                part = min(rounds, self.rounds_left)
+                t, s = tokens * part / rounds, seconds * part / rounds
+                tokens, seconds, rounds = tokens - t, seconds - s, rounds - part
+                self.record(t, s, part)
+            return
         self.rounds_left -= rounds
         self.rounds[self.arm] += rounds
         if self.warming:  # a call off the clock: a cold draft's round (``_next_block``) or a
@@ -690,6 +712,14 @@ class RoundPlanner:
         rounds) at most ``warm_limit`` of them."""
         stints = self.m.stints
         return min(stints.warm_limit, stints.rounds_left) if stints.warming else stints.rounds_left
+
+    def plain_run(self) -> int:
+        """Rounds of plain steps the coming call may run when nothing reads its tokens before the
+        generation ends: the rest of the current block and of every plain block the plan holds
+        right after it, in one native call (``Stints.plain_run``); ``block_rounds`` while a call
+        plays off the clock."""
+        stints = self.m.stints
+        return self.block_rounds() if stints.warming else stints.plain_run()
 
     def off_clock(self) -> bool:
         """Whether the coming call's seconds stay off its arm's clock (``block_rounds``)."""

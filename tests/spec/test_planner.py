@@ -1086,3 +1086,45 @@ def test_temperatures_share_a_planner_memory_within_a_band(pair, tmp_path, monke
     assert len(eng._memories) == 2
     eng.generate([1, 2, 3], **kw)
     assert len(eng._memories) == 3
+
+
+def test_a_run_of_plain_blocks_plays_in_one_call_and_each_block_takes_its_share():
+    """With plain favoured (a drafting arm far behind) a plan is a stint of plain blocks, then a
+    check: ``plain_run`` gives every plain round up to the check, and one ``record`` of them all
+    leaves the stints exactly where a record a block would: the same arm next, the same rounds
+    played, the same score for the challenger."""
+    def drive(whole: bool) -> tuple[list[tuple[int, int]], Stints]:
+        st, calls = Stints(arms=2), []
+        for _ in range(400):
+            arm = st.arm
+            if arm == 0 and whole and not st.warming:
+                n = st.plain_run()
+                st.record(n, n * 1.0, n)  # plain: 1 token a round, 1 s a token
+            else:
+                n = 1
+                st.record(1, 1.0 / (0.6 if arm == 1 else 1.0))  # the challenger at 0.6x
+            calls.append((arm, n))
+        return calls, st
+
+    blocks, by_block = drive(False)
+    runs, by_run = drive(True)
+    assert by_run.rounds[1] > 0 and by_run.score[1] == pytest.approx(math.log(0.6), abs=1e-9)
+    # the same sequence of arms, round for round, the plain runs cut where the blocks were
+    flat = [arm for arm, n in runs for _ in range(n)]
+    assert flat[:len(blocks)] == [arm for arm, _ in blocks]
+    # after the first comparison's plain block the runs span whole stints (2 blocks, then 8 and
+    # 32 as the stint grows fourfold), each check (a look of 4 rounds) closed by a plain block
+    plain_runs = [n for arm, n in runs if arm == 0 and n > 1]
+    assert plain_runs[:6] == [16, 32, 16, 128, 16, 512], plain_runs[:6]
+
+
+def test_a_plain_run_is_only_the_current_block_while_a_call_plays_off_the_clock():
+    st = Stints(arms=2)
+    while st.arm != 0:
+        st.record(1, 1.0)
+    st.start_generation()
+    planner = RoundPlanner.__new__(RoundPlanner)
+    planner.m = type("M", (), {"stints": st})()
+    assert st.warming and st.rounds_left > 4 and planner.plain_run() == 4  # a generation's first call
+    st.record(4, 4.0, 4)
+    assert not st.warming and planner.plain_run() == st.plain_run() >= 12
