@@ -27,6 +27,8 @@ DEMO_PROMPTS = [
     'def is_palindrome(text):\n    """Return True if text reads the same backwards, ignoring case."""\n',
 ]
 SAMPLED = dict(temperature=0.8, top_p=0.95)  # the sampled half of the demo, with a fixed seed
+NGRAM_ORDER = 3
+NGRAM_TOP_M = 16  # continuations kept per context: bounds memory, the drafter asks for <= 12
 
 
 def loops(text: str) -> bool:
@@ -47,8 +49,6 @@ def loops(text: str) -> bool:
         if run >= 8:
             return True
     return False
-NGRAM_ORDER = 3
-NGRAM_TOP_M = 16  # continuations kept per context: bounds memory, the drafter asks for <= 12
 
 
 def _log(msg: str) -> None:
