@@ -78,10 +78,10 @@ def test_beams_stream_as_their_shared_prefix_is_fixed(demo, strategy, kwargs):
 
 
 def test_generate_runs_plain_steps_in_one_native_call_a_stream_in_pieces(demo, monkeypatch):
-    """Nobody reads generate's tokens before the end: its plain steps run in one native call (each
-    return to Python slows the passes after it), a stream's in calls of 8 (its pieces); a staged
-    generation whose planner plays plain steps runs a whole stint of plain blocks a call. The
-    tokens are the same."""
+    """Nobody reads generate's tokens before the end: its plain steps run in as long native calls
+    as an interrupt allows (each return to Python slows the passes after it), a stream's in calls
+    of 8 (its pieces); a planner playing plain steps runs a whole stint of plain blocks a call.
+    The tokens are the same."""
     from staged_engine.model.runner import ModelRunner
 
     calls = []
@@ -95,7 +95,7 @@ def test_generate_runs_plain_steps_in_one_native_call_a_stream_in_pieces(demo, m
     prompt = "def add(a, b):\n"
     kw = dict(max_new_tokens=100, strategy="plain", temperature=0.8, top_p=0.95, seed=3, stop_at_eos=False)
     tokens = demo.generate(prompt, **kw).token_ids
-    assert calls == [100]
+    assert calls == [8, 92]  # the first call's rate says the rest fits in CALL_SECONDS (0.25 s)
     calls.clear()
     stats = {}
     text = "".join(demo.stream(prompt, stats=stats, **kw))
@@ -111,3 +111,19 @@ def test_generate_runs_plain_steps_in_one_native_call_a_stream_in_pieces(demo, m
     st.arm, st.rounds_left, st.warming = 0, 16, False
     assert demo.generate(prompt, **chain).token_ids == tokens
     assert calls == [4, 96], calls  # the generation's first call, off the clock, then the run
+
+
+def test_a_call_of_plain_steps_is_cut_to_about_a_quarter_second_so_an_interrupt_is_seen():
+    """On a model whose step takes tens of milliseconds a whole generation in one native call
+    would hold off Ctrl-C for seconds: a call runs 8 steps first, then what the last call's rate
+    runs in 0.25 s (never fewer than 8)."""
+    from staged_engine.spec.decoders import PlainDecoder
+
+    d = PlainDecoder(None, None, batch=None)
+    assert d.call_steps(1000) == 8
+    d.step_seconds = 0.01  # 10 ms a step: 25 steps in 0.25 s
+    assert d.call_steps(1000) == 25 and d.call_steps(20) == 20
+    d.step_seconds = 0.1
+    assert d.call_steps(1000) == 8
+    d.step_seconds = 2.5e-4  # the demo oracle
+    assert d.call_steps(5000) == 1000

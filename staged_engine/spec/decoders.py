@@ -20,13 +20,17 @@ from staged_engine.spec.verify import choose_one, verify
 
 # Plain steps a round of plain decoding runs back to back (one native call) in a stream, which
 # arrives in pieces of up to this many tokens. Where nobody reads the tokens before the end
-# (``Engine.generate``) a round runs every step left in one call: each return to Python costs
-# more than the interpreter's work, the passes after it running slower (demo oracle, T 0.8 top-p,
+# (``Engine.generate``) a round runs as many steps as it can: each return to Python costs more
+# than the interpreter's work, the passes after it running slower (demo oracle, T 0.8 top-p,
 # Zen 4: calls of 96 steps 1.5% faster a step by the native clock, 3.7% by the wall clock, than
-# calls of 8; whole 128-token generations 1.08x). A planner's block of plain steps (16) runs
-# whole, in one call, and where nobody reads the tokens before the end, so does its whole run
-# of plain blocks (``RoundPlanner.plain_run``).
+# calls of 8; whole 128-token generations 1.02-1.08x). A planner's block of plain steps (16) runs
+# whole, in one call, and where nobody reads the tokens before the end, so does its whole run of
+# plain blocks (``RoundPlanner.plain_run``).
 PLAIN_BATCH = 8
+# Such a call runs for about this long at most, judged from the previous call's seconds a step
+# (the first runs PLAIN_BATCH steps), so that an interrupt is seen within it on a model whose
+# step takes tens of milliseconds: the demo oracle runs ~1,000 steps in it.
+CALL_SECONDS = 0.25
 # Rounds a pinned draft chain runs back to back (one native call, ``_cpu.chain_rounds``): its
 # streams arrive in pieces of up to this many rounds' tokens. A planner's fixed chain runs the
 # rest of its block (16 rounds) in one call.
@@ -75,6 +79,7 @@ class Decoder:
         self.stop_token = stop_token  # plain steps run back to back up to this token (EOS)
         self.root = -1  # the last accepted token, not yet seen by the oracle
         self.accepted_lengths: list[int] = []  # tokens emitted per round
+        self.step_seconds: float | None = None  # wall seconds a step of the last call of plain steps
 
     def start(self, prompt: list[int]) -> None:
         """Prefill every prompt token but the last, which becomes the first round's root."""
@@ -82,14 +87,23 @@ class Decoder:
         self.oracle.prefill(prompt[:-1])
         self.root = prompt[-1]
         self.accepted_lengths = []
+        self.step_seconds = None
 
     def round(self, remaining: int) -> list[int]:
         raise NotImplementedError
+
+    def call_steps(self, n: int) -> int:
+        """Plain steps a call may run of ``n`` where nobody reads the tokens before the end:
+        ``PLAIN_BATCH`` the first time, then what the last call's rate runs in ``CALL_SECONDS``."""
+        if self.step_seconds is None:
+            return min(n, PLAIN_BATCH)
+        return min(n, max(PLAIN_BATCH, int(CALL_SECONDS / max(self.step_seconds, 1e-9))))
 
     def plain_steps(self, n: int) -> list[int]:
         """Up to ``n`` oracle steps back to back (fewer at ``stop_token``): the tokens chosen.
         Plain decoding is made of them, and so is every round a planner spends undrafted."""
         oracle = self.oracle
+        t0 = time.perf_counter()
         out = oracle.steps(self.root, n, self.sampling.rule, self.stop_token) if n > 0 else []
         if out is None:  # off the native path: one step at a time
             out = []
@@ -98,6 +112,7 @@ class Decoder:
                 out.append(choose_one(oracle.backend, logits, oracle.length, self.sampling))
         if out:
             self.root = out[-1]
+            self.step_seconds = (time.perf_counter() - t0) / len(out)
         self.accepted_lengths.extend([1] * len(out))
         return out
 
@@ -131,7 +146,7 @@ class PlainDecoder(Decoder):
         self.batch = batch
 
     def round(self, remaining: int) -> list[int]:
-        return self.plain_steps(remaining if self.batch is None else min(remaining, self.batch))
+        return self.plain_steps(self.call_steps(remaining) if self.batch is None else min(remaining, self.batch))
 
 
 class SpeculativeDecoder(Decoder):
@@ -200,7 +215,8 @@ class SpeculativeDecoder(Decoder):
         if planner.playing_plain():  # the rest of a block of plain steps, in one native call
             # with no planning: interpreter work between passes runs from caches the oracle's
             # weights have just streamed through
-            out = self.plain_steps(min(remaining, planner.plain_run() if self.whole else planner.block_rounds()))
+            out = self.plain_steps(self.call_steps(min(remaining, planner.plain_run())) if self.whole
+                                   else min(remaining, planner.block_rounds()))
             self.drafter.skip(out)
             planner.observe_steps(len(out), clock.seconds())
             return out
