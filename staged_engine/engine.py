@@ -21,7 +21,7 @@ from staged_engine.model.gpt2 import GPT2
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, choose
 from staged_engine.spec.cost import CostProfile, keyed_path, load_or_measure, profile_key
-from staged_engine.spec.decoders import PLAIN_BATCH, Decoder, PlainDecoder, SpeculativeDecoder
+from staged_engine.spec.decoders import Decoder, PlainDecoder, SpeculativeDecoder
 from staged_engine.spec.drafters import ModelDrafter, NGramDrafter, TreeShape
 from staged_engine.spec.planner import (
     PlannerMemory,
@@ -433,8 +433,7 @@ class Engine:
             if config.beam.adaptive and config.strategy == "dsbd" and self.draft is not None:
                 memory = self._dsbd_memory(config)
             return make_beam_decoder(self, config.strategy, sampling, config.num_beams, config.beam, memory)
-        return PlainDecoder(oracle, sampling, self.eos_token_id if config.stop_at_eos else None,
-                            batch=None if whole else PLAIN_BATCH)
+        return PlainDecoder(oracle, sampling, self.eos_token_id if config.stop_at_eos else None, whole=whole)
 
     def _drafter(self, state: dict, strategy: str, spec: SpecConfig, sampling: SamplingConfig) -> ModelDrafter:
         if self.draft is None:

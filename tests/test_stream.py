@@ -119,7 +119,7 @@ def test_a_call_of_plain_steps_is_cut_to_about_a_quarter_second_so_an_interrupt_
     runs in 0.25 s (never fewer than 8)."""
     from staged_engine.spec.decoders import PlainDecoder
 
-    d = PlainDecoder(None, None, batch=None)
+    d = PlainDecoder(None, None, whole=True)
     assert d.call_steps(1000) == 8
     d.step_seconds = 0.01  # 10 ms a step: 25 steps in 0.25 s
     assert d.call_steps(1000) == 25 and d.call_steps(20) == 20

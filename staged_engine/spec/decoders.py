@@ -73,10 +73,14 @@ class Decoder:
 
     name = "base"
 
-    def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, stop_token: int | None = None) -> None:
+    def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, stop_token: int | None = None,
+                 whole: bool = False) -> None:
         self.oracle = oracle
         self.sampling = sampling
         self.stop_token = stop_token  # plain steps run back to back up to this token (EOS)
+        # Nobody reads the tokens before the generation ends (``Engine.generate``): plain steps
+        # run in calls of ``call_steps``, not in a stream's pieces.
+        self.whole = whole
         self.root = -1  # the last accepted token, not yet seen by the oracle
         self.accepted_lengths: list[int] = []  # tokens emitted per round
         self.step_seconds: float | None = None  # wall seconds a step of the last call of plain steps
@@ -134,19 +138,18 @@ class Decoder:
 class PlainDecoder(Decoder):
     """One oracle pass per token: the reference every other strategy must reproduce. A round
     runs up to ``batch`` steps back to back (fewer at ``stop_token``), which spares the engine's
-    per-round work between tokens; streams then arrive in pieces of up to ``batch`` tokens."""
+    per-round work between tokens; streams then arrive in pieces of up to ``batch`` tokens.
+    ``whole``: as many as ``call_steps`` allows."""
 
     name = "plain"
 
     def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, stop_token: int | None = None,
-                 batch: int | None = PLAIN_BATCH) -> None:
-        super().__init__(oracle, sampling, stop_token)
-        if batch is not None and batch < 1:
-            raise ValueError(f"batch must be >= 1 or None (every step left in one call), got {batch}")
+                 batch: int = PLAIN_BATCH, whole: bool = False) -> None:
+        super().__init__(oracle, sampling, stop_token, whole)
         self.batch = batch
 
     def round(self, remaining: int) -> list[int]:
-        return self.plain_steps(self.call_steps(remaining) if self.batch is None else min(remaining, self.batch))
+        return self.plain_steps(self.call_steps(remaining) if self.whole else min(remaining, self.batch))
 
 
 class SpeculativeDecoder(Decoder):
@@ -160,11 +163,10 @@ class SpeculativeDecoder(Decoder):
 
     def __init__(self, oracle: ModelRunner, sampling: SamplingConfig, drafter: ModelDrafter, name: str,
                  planner_factory=None, stop_token: int | None = None, whole: bool = False) -> None:
-        super().__init__(oracle, sampling, stop_token)
+        # ``whole``: a run of plain blocks plays in one call (``RoundPlanner.plain_run``), not a
+        # block a call as a stream's pieces need.
+        super().__init__(oracle, sampling, stop_token, whole)
         self.drafter = drafter
-        # Nobody reads the tokens before the generation ends: a run of plain blocks plays in one
-        # call (``RoundPlanner.plain_run``), not a block a call as a stream's pieces need.
-        self.whole = whole
         self.name = name
         self.planner_factory = planner_factory
         self.planner: RoundPlanner | None = None
