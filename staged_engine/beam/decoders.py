@@ -246,19 +246,36 @@ class RowForestLM:
 
     def probs(self, prefixes) -> torch.Tensor:
         """(n, V) float64 p'(. | prefix) for each prefix; unseen ones cost one forward pass."""
+        n_in, row_of = self.n_in, self.row_of
+        if self.root_dist is None and not self.view.pending and all(len(seq) == n_in for seq in prefixes):
+            # The round's input beams and nothing else, before anything else in the round (a
+            # step of beam sampling, or a forest's first draft layer): every row's root in one
+            # pass, no keys to sort out.
+            rows = [row_of[seq] for seq in prefixes]
+            if len(set(rows)) == len(self.entries):
+                self._evaluate_roots([seq[n_in - 1:] for seq in row_of])
+                return self._roots(rows)
         where = []
         new: list[list[Prefix]] = [[] for _ in self.entries]
         for seq in prefixes:
-            row, key = self.row_of[seq[:self.n_in]], seq[self.n_in - 1:]
+            row, key = row_of[seq[:n_in]], seq[n_in - 1:]
             if key not in self.entries[row] and key not in new[row]:
                 new[row].append(key)
             where.append((row, key))
         if any(new):
             self._evaluate(new)
         if self.root_dist is not None and all(len(key) == 1 for _, key in where):
-            rows = [row for row, _ in where]
-            return self.root_dist if rows == list(range(len(self.entries))) else self.root_dist[rows]
-        return torch.stack([self.dist[row][key] for row, key in where])
+            return self._roots([row for row, _ in where])
+        return torch.stack([self.root_dist[row] if len(key) == 1 and self.root_dist is not None
+                            else self.dist[row][key] for row, key in where])
+
+    def _roots(self, rows: list[int]) -> torch.Tensor:
+        """(len(rows), V): the roots' distributions (``_evaluate_roots``) of ``rows``."""
+        if rows == list(range(len(self.entries))):
+            return self.root_dist
+        # Slots that repeat a beam share its row (index_select: 8 us against 12 us for indexing
+        # with the list at 2 beams over 8,192 tokens, 17 against 31 at 8).
+        return self.root_dist.index_select(0, torch.tensor(rows))
 
     def _evaluate(self, new: list[list[Prefix]]) -> None:
         view = self.view
@@ -299,8 +316,7 @@ class RowForestLM:
         dist = self.rows.roots(self.view, [key[-1] for key in roots], self.params)  # (R, V)
         for r, key in enumerate(roots):
             self.entries[r][key] = 0
-            self.dist[r][key] = dist[r]
-        self.root_dist = dist
+        self.root_dist = dist  # row r's root: dist[r] (``probs`` reads it there, no view per row)
         self.nodes += len(roots)
         self.batch_tokens += len(roots)
 
