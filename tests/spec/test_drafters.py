@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import heapq
 
+import pytest
 import torch
 
-from staged_engine.model.backend import TorchBackend
+from staged_engine.model.backend import TorchBackend, _cpu
 from staged_engine.model.checkpoint import load_model
 from staged_engine.model.runner import ModelRunner
 from staged_engine.sampling import SamplingConfig, SamplingParams
@@ -177,3 +178,29 @@ def test_a_windowed_draft_sees_the_text_s_tail_at_its_own_positions_and_draws_th
             drafter.catch_up()
             drafter.build(len(prompt) - 1, 3, 2)
         assert seen == [[window], [window + 1]]
+
+
+@pytest.mark.skipif(_cpu is None, reason="needs the staged_engine._cpu extension (a lazy start defers the reset of a packed model)")
+def test_a_lazy_start_resets_the_runner_at_its_first_use(pair):
+    """A lazy start leaves the draft's runner alone until the generation first touches it: one
+    that never drafts pays no reset and reports no draft passes (not the last generation's),
+    and one that drafts gets a fresh cache."""
+    _, draft_dir = pair
+    model = load_model(draft_dir)
+    runner = ModelRunner(model, TorchBackend(native=True))
+    resets = []
+    reset = runner.reset
+    runner.reset = lambda: resets.append(1) or reset()
+    sampling = SamplingConfig.make(SamplingParams(), model.config.vocab_size)
+    shape = TreeShape(budget=3, max_depth=2, children=1, expand=1)
+    prompt = [5, 6, 7, 8, 9, 10]
+    with torch.inference_mode():
+        first = ModelDrafter(runner, sampling, shape)
+        first.start(prompt)  # eager: reset (the model packed) and prefilled
+        assert resets == [1] and first.calls == 1 and runner.length == len(prompt) - 1
+        second = ModelDrafter(runner, sampling, shape)
+        second.start(prompt + [11], lazy=True)
+        assert resets == [1]
+        assert (second.calls, second.forward_seconds, second.weight_bytes_read()) == (0, 0.0, 0)
+        second.catch_up()
+        assert resets == [1, 1] and second.calls == 1 and runner.length == len(prompt)
