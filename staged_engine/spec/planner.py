@@ -44,6 +44,7 @@ from staged_engine.spec.cost import CostProfile
 from staged_engine.spec.tree import Tree
 
 _BINS = 10
+_BIN_NAMES = tuple(f"{i / _BINS:.1f}-{(i + 1) / _BINS:.1f}" for i in range(_BINS))
 
 
 class Acceptance:
@@ -80,8 +81,8 @@ class Acceptance:
             self.top_offered = d * self.top_offered + 1.0
 
     def table(self) -> list[dict]:
-        return [{"r": f"{i / _BINS:.1f}-{(i + 1) / _BINS:.1f}", "p_accept": round(self.accepted[i] / self.offered[i], 3),
-                 "weight": round(self.offered[i], 1)} for i in range(_BINS)]
+        return [{"r": name, "p_accept": round(a / o, 3), "weight": round(o, 1)}
+                for name, a, o in zip(_BIN_NAMES, self.accepted, self.offered)]
 
 
 class _Ratio:
