@@ -303,10 +303,9 @@ class RowForestLM:
 
     def _evaluate(self, new: list[list[Prefix]]) -> None:
         view = self.view
+        # Every row's root alone, nothing pending (a step of beam sampling) never gets here:
+        # ``probs`` evaluates them with ``_evaluate_roots``.
         rows, width, pending = len(new), max(len(keys) for keys in new), view.pending
-        if width == 1 and pending == 0 and all(new):  # every row's root alone: a beam-sampling step
-            self._evaluate_roots([keys[0] for keys in new])
-            return
         tokens = np.zeros((rows, width), dtype=np.int64)
         positions = np.full((rows, width), self.rows.length, dtype=np.int64)
         mask = np.zeros((rows, width, pending + width), dtype=np.bool_)  # (R, N, P + N)
