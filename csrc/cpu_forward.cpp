@@ -914,36 +914,45 @@ inline void score4(const float* qi, const float* const* kr, int64_t D, float sc,
 }
 
 // Values of the queries qs[0 .. QN) over the head's columns [d0, d0 + Dc), C = ceil(Dc / kLanes)
-// vectors (QN = 1 or 2: their accumulators fit the registers; a count known at compile time keeps
-// them there, where a run-time count left them on the stack).
-template <int C, int QN>
+// vectors, the last of them whole when Full (Dc a multiple of kLanes) and a masked tail otherwise
+// (QN = 1 or 2: their accumulators fit the registers; counts known at compile time keep them
+// there). With the tail test left to run time, GCC kept the accumulators on the stack: each FMA
+// stored its sum and the next read it back, a store-to-load round trip per FMA on the chain. On a
+// Zen 4 (AMD EPYC, AVX-512) that made a 64-wide head's value pass ~15% slower over 256 cached slots.
+template <int C, int QN, bool Full>
 void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_t ks, int64_t d0, int64_t Dc) {
   const int64_t tail = Dc - (C - 1) * kLanes;
   vbase += d0;
   auto vrow = [&](const float* v, int c) {
-    return (c < C - 1 || tail == kLanes) ? vload(v + c * kLanes) : vload_tail(v + c * kLanes, tail);
+    return (Full || c < C - 1) ? vload(v + c * kLanes) : vload_tail(v + c * kLanes, tail);
   };
   const int64_t shared = common - common % 2;
   vec even[QN][C], odd[QN][C];
+#pragma GCC unroll 8
   for (int u = 0; u < QN; ++u)
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) even[u][c] = odd[u][c] = vzero();
   for (int64_t s = 0; s < shared; s += 2) {
     const float* v0 = vbase + s * ks;
     const float* v1 = v0 + ks;
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const vec a = vrow(v0, c), b = vrow(v1, c);
+#pragma GCC unroll 8
       for (int u = 0; u < QN; ++u) {
         even[u][c] = vfma(vset1(qs[u].p[s]), a, even[u][c]);
         odd[u][c] = vfma(vset1(qs[u].p[s + 1]), b, odd[u][c]);
       }
     }
   }
+#pragma GCC unroll 8
   for (int u = 0; u < QN; ++u) {
     HeadQuery& hq = qs[u];
     int64_t s = shared;
     for (; s + 1 < hq.n; s += 2) {
       const float* v0 = vbase + hq.slot(s) * ks;
       const float* v1 = vbase + hq.slot(s + 1) * ks;
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
         odd[u][c] = vfma(vset1(hq.p[s + 1]), vrow(v1, c), odd[u][c]);
@@ -951,15 +960,17 @@ void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_
     }
     if (s < hq.n) {
       const float* v0 = vbase + hq.slot(s) * ks;
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c) even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
     }
     float den = 0.f;  // the softmax normaliser was left in p[n] by head_attention
     std::memcpy(&den, hq.p + hq.n, sizeof(float));
     const vec vinv = vset1(den);
     float* out = hq.out + d0;
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const vec r = vmul(vadd(even[u][c], odd[u][c]), vinv);
-      if (c < C - 1 || tail == kLanes) vstore(out + c * kLanes, r); else vstore_tail(out + c * kLanes, r, tail);
+      if (Full || c < C - 1) vstore(out + c * kLanes, r); else vstore_tail(out + c * kLanes, r, tail);
     }
   }
 }
@@ -980,12 +991,17 @@ void head_values_cols(HeadQuery* qs, int64_t common, const float* vbase, int64_t
   const int64_t width = (QN == 1 ? 4 : kValueVecs) * kLanes;
   for (int64_t d0 = 0; d0 < D; d0 += width) {
     const int64_t Dc = std::min(width, D - d0);
+    const bool full = Dc % kLanes == 0;
+#define SE_VALUES(C)                                                 \
+  (full ? head_values_group<C, QN, true>(qs, common, vbase, ks, d0, Dc) \
+        : head_values_group<C, QN, false>(qs, common, vbase, ks, d0, Dc))
     switch ((Dc + kLanes - 1) / kLanes) {
-      case 1: head_values_group<1, QN>(qs, common, vbase, ks, d0, Dc); break;
-      case 2: head_values_group<2, QN>(qs, common, vbase, ks, d0, Dc); break;
-      case 3: head_values_group<3, QN>(qs, common, vbase, ks, d0, Dc); break;
-      default: head_values_group<4, QN>(qs, common, vbase, ks, d0, Dc); break;
+      case 1: SE_VALUES(1); break;
+      case 2: SE_VALUES(2); break;
+      case 3: SE_VALUES(3); break;
+      default: SE_VALUES(4); break;
     }
+#undef SE_VALUES
   }
 }
 
@@ -997,19 +1013,95 @@ void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, 
   if (q < nq) head_values_cols<1>(qs + q, common, vbase, ks, D);
 }
 
-// Scores, softmax and values for the queries of one (row, head).
-void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbase, const float* vbase, int64_t ks,
-                    int64_t D, float sc) {
-  const int64_t shared = common - common % 4;
-  const int64_t ahead = kv_ahead();
+// Scores of QN queries (1 or 2) against the committed slots [0, shared) (a multiple of 4), four
+// slots a group: per (query, slot) the very FMA chain over D and vsum4 tree of score4, so the same
+// bits, with the queries' NV vectors (the last a tail of ``tail`` lanes when Tail) loaded once
+// into registers instead of once a group, the loops over D unrolled, and each K row loaded once
+// for both queries of a pair. Prefetches ``ahead`` slots on in the K and V streams (0: none).
+template <int NV, bool Tail, int QN>
+void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const float* kbase, const float* vbase, int64_t ks,
+                   int64_t D, int64_t tail, float sc, int64_t ahead) {
+  vec qv[QN][NV];
+#pragma GCC unroll 8
+  for (int u = 0; u < QN; ++u)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c)
+      qv[u][c] = (Tail && c == NV - 1) ? vload_tail(qs[u].q + c * kLanes, tail) : vload(qs[u].q + c * kLanes);
+  const __m128 vsc = _mm_set1_ps(sc);
   for (int64_t s0 = 0; s0 < shared; s0 += 4) {
     if (ahead && s0 + ahead < common) {
       const int64_t n = std::min<int64_t>(4, common - s0 - ahead);
       prefetch_rows<_MM_HINT_T0>(kbase, s0 + ahead, n, ks, D);
       prefetch_rows<_MM_HINT_T1>(vbase, s0 + ahead, n, ks, D);
     }
-    const float* kr[4] = {kbase + s0 * ks, kbase + (s0 + 1) * ks, kbase + (s0 + 2) * ks, kbase + (s0 + 3) * ks};
-    for (int64_t q = 0; q < nq; ++q) score4(qs[q].q, kr, D, sc, qs[q].p + s0, 4);
+    const float* k0 = kbase + s0 * ks;
+    vec acc[QN][4];
+#pragma GCC unroll 8
+    for (int u = 0; u < QN; ++u)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[u][j] = vzero();
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const float* kr = k0 + j * ks + c * kLanes;
+        const vec kv = (Tail && c == NV - 1) ? vload_tail(kr, tail) : vload(kr);
+#pragma GCC unroll 8
+        for (int u = 0; u < QN; ++u) acc[u][j] = vfma(qv[u][c], kv, acc[u][j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int u = 0; u < QN; ++u)
+      _mm_storeu_ps(qs[u].p + s0, _mm_mul_ps(vsum4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]), vsc));
+  }
+}
+
+// scores_shared for every query, a pair at a time; the first pair prefetches for the rest.
+template <int NV, bool Tail>
+void scores_shared_all(HeadQuery* qs, int64_t nq, int64_t shared, int64_t common, const float* kbase,
+                       const float* vbase, int64_t ks, int64_t D, int64_t tail, float sc, int64_t ahead) {
+  int64_t q = 0;
+  for (; q + 2 <= nq; q += 2, ahead = 0)
+    scores_shared<NV, Tail, 2>(qs + q, shared, common, kbase, vbase, ks, D, tail, sc, ahead);
+  if (q < nq) scores_shared<NV, Tail, 1>(qs + q, shared, common, kbase, vbase, ks, D, tail, sc, ahead);
+}
+
+// The widest head scores_shared serves, in vectors (128 columns in AVX-512, 64 in AVX2); wider
+// heads take score4 for every group.
+constexpr int64_t kMaxScoreVecs = 8;
+
+// scores_shared for a head of D columns: its vector count and tail as template arguments.
+void head_scores_shared(HeadQuery* qs, int64_t nq, int64_t shared, int64_t common, const float* kbase,
+                        const float* vbase, int64_t ks, int64_t D, float sc, int64_t ahead) {
+  const int64_t nv = (D + kLanes - 1) / kLanes, tail = D - (nv - 1) * kLanes;
+  const bool t = tail != kLanes;
+#define SE_SCORES(N) \
+  case N: \
+    return t ? scores_shared_all<N, true>(qs, nq, shared, common, kbase, vbase, ks, D, tail, sc, ahead) \
+             : scores_shared_all<N, false>(qs, nq, shared, common, kbase, vbase, ks, D, tail, sc, ahead);
+  switch (nv) {
+    SE_SCORES(1) SE_SCORES(2) SE_SCORES(3) SE_SCORES(4) SE_SCORES(5) SE_SCORES(6) SE_SCORES(7) SE_SCORES(8)
+  }
+#undef SE_SCORES
+}
+
+// Scores, softmax and values for the queries of one (row, head).
+void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbase, const float* vbase, int64_t ks,
+                    int64_t D, float sc) {
+  const int64_t shared = common - common % 4;
+  const int64_t ahead = kv_ahead();
+  if ((D + kLanes - 1) / kLanes <= kMaxScoreVecs) {
+    head_scores_shared(qs, nq, shared, common, kbase, vbase, ks, D, sc, ahead);
+  } else {
+    for (int64_t s0 = 0; s0 < shared; s0 += 4) {
+      if (ahead && s0 + ahead < common) {
+        const int64_t n = std::min<int64_t>(4, common - s0 - ahead);
+        prefetch_rows<_MM_HINT_T0>(kbase, s0 + ahead, n, ks, D);
+        prefetch_rows<_MM_HINT_T1>(vbase, s0 + ahead, n, ks, D);
+      }
+      const float* kr[4] = {kbase + s0 * ks, kbase + (s0 + 1) * ks, kbase + (s0 + 2) * ks, kbase + (s0 + 3) * ks};
+      for (int64_t q = 0; q < nq; ++q) score4(qs[q].q, kr, D, sc, qs[q].p + s0, 4);
+    }
   }
   for (int64_t q = 0; q < nq; ++q) {
     HeadQuery& hq = qs[q];
@@ -1019,18 +1111,22 @@ void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbas
       for (int64_t u = 0; u < 4; ++u) kr[u] = kbase + hq.slot(s0 + std::min(u, cnt - 1)) * ks;
       score4(hq.q, kr, D, sc, hq.p + s0, cnt);
     }
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < hq.n; ++s) mx = std::max(mx, hq.p[s]);
-    const vec vmx = vset1(mx);
+    // The largest score, a vector at a time (a maximum is exact in any order).
+    vec vmx = vset1(-std::numeric_limits<float>::infinity());
+    int64_t m = 0;
+    for (; m + kLanes <= hq.n; m += kLanes) vmx = vmax(vmx, vload(hq.p + m));
+    float mx = vmax_all(vmx);
+    for (; m < hq.n; ++m) mx = std::max(mx, hq.p[m]);
+    const vec vmxs = vset1(mx);
     vec vden = vzero();
     for (int64_t s = 0; s < hq.n; s += kLanes) {
       const int64_t t = std::min<int64_t>(kLanes, hq.n - s);
       if (t == kLanes) {
-        const vec e = vexp(vsub(vload(hq.p + s), vmx));
+        const vec e = vexp(vsub(vload(hq.p + s), vmxs));
         vstore(hq.p + s, e);
         vden = vadd(vden, e);
       } else {
-        const vec e = vexp(vsub(vload_tail(hq.p + s, t), vmx));
+        const vec e = vexp(vsub(vload_tail(hq.p + s, t), vmxs));
         vstore_tail(hq.p + s, e, t);
         vden = vadd(vden, vload_tail(hq.p + s, t));
       }
