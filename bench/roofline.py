@@ -12,9 +12,12 @@ fp16 weights, or ``--models DIR ...``):
   decode against the bound of the probe run just before it, the median of those shares (the
   machine's state the same for both);
 - an N-node pass (N = 1..64, a random tree below a 128-token prefix, on the engine's path:
-  ``ModelRunner.forward_nodes``, one native call from lists) against the larger of that
-  bandwidth bound and the **compute bound** (2 x weights x N FLOP at the fp32 GEMM rate torch's
-  BLAS reaches here on a 1024^3 product); for models packed float16, also against the
+  ``ModelRunner.forward_nodes``, one native call from lists) against the larger of its
+  **bandwidth bound** (the weights and the float32 K/V cache the pass attends over, prefix and
+  nodes, at that read bandwidth) and its **compute bound** (2 x weights x N FLOP for the
+  products plus 4 x layers x width FLOP for each key a node scores and each value it weighs, at
+  the fp32 GEMM rate torch's BLAS reaches here on a 1024^3 product); for models packed float16,
+  also against the
   **widening bound** (their packed bytes at the rate this CPU widens float16 to float32 alone,
   ``_cpu.widen_seconds``) plus the compute bound: what the pass costs where the widening and the
   FMAs take turns on the same pipes (on the AVX2 Zen 1 they mostly do; a ratio under 1 shows
@@ -94,14 +97,14 @@ def widening_rate(tries: int = 1, nbytes: int = 8 << 20, repeats: int = 7) -> fl
 
 
 def widening_reference(n: int, compute: float, bound_bw: float, bound_widen: float,
-                       float32_from: int | None) -> float:
+                       float32_from: int | None, kv_bw: float = 0.0) -> float:
     """Seconds an ``n``-node pass of a float16-packed model costs where the widening and the FMAs
     take turns: its widening bound plus its compute bound (at least its bandwidth bound); from
     ``float32_from`` rows on, where the pass reads the model's float32 packing instead
-    (``TorchBackend.wide_rows``), twice the stream and no widening: the larger of twice the
-    bandwidth bound and the compute bound."""
+    (``TorchBackend.wide_rows``), twice the weight stream and no widening: the larger of that
+    bandwidth bound (the K/V cache's ``kv_bw`` part of ``bound_bw`` read once) and the compute bound."""
     if float32_from is not None and n >= float32_from:
-        return max(2 * bound_bw, compute)
+        return max(2 * bound_bw - kv_bw, compute)
     return max(bound_widen + compute, bound_bw)
 
 
@@ -114,7 +117,8 @@ def derive_widening_ratios(row: dict) -> None:
     row["float32_from_rows"] = float32_from
     for n, node in row["nodes"].items():
         node["ratio_to_widening_plus_compute"] = node["seconds"] / widening_reference(
-            int(n), node["compute_bound_s"], node["bandwidth_bound_s"], row["widening_bound_ms"] / 1e3, float32_from)
+            int(n), node["compute_bound_s"], node["bandwidth_bound_s"], row["widening_bound_ms"] / 1e3, float32_from,
+            node.get("kv_bound_s", 0.0))
 
 
 def gpt2_small_checkpoint(tokenizer_from: str) -> str:
@@ -167,16 +171,21 @@ def decode_ms(model, backend, steps: int = 128, prompt: int = 64, chunk: int = 8
     return statistics.median(times[8:])
 
 
-def node_curve(model, backend, prefix: int = 128, repeats: int = 15) -> dict[int, float]:
+PREFIX = 128  # committed tokens below every N-node pass's tree
+
+
+def node_curve(model, backend, prefix: int = PREFIX, repeats: int = 15) -> tuple[dict[int, float], dict[int, int]]:
     """Median wall time of an N-node pass (a random tree below a ``prefix``-token context) on the
     path the engine's rounds take: ``ModelRunner.forward_nodes`` (one native call from lists for
-    a one-row cache), the pending entries discarded after each pass."""
+    a one-row cache), the pending entries discarded after each pass; and per N the keys the
+    tree's nodes score in all (each node: the prefix, its ancestors and itself). The trees come
+    from a fixed seed: the same every call."""
     from staged_engine.model.runner import ModelRunner
 
     runner = ModelRunner(model, backend)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    out = {}
+    out, keys = {}, {}
     with torch.inference_mode():
         runner.reset()
         runner.prefill(torch.randint(0, vocab, (prefix,), generator=g).tolist())
@@ -191,7 +200,26 @@ def node_curve(model, backend, prefix: int = 128, repeats: int = 15) -> dict[int
                 times.append(time.perf_counter() - t0)
                 runner.discard()
             out[n] = statistics.median(times[2:])
-    return out
+            keys[n] = n * prefix + int(mask.sum())
+    return out, keys
+
+
+def pass_bounds(n: int, keys: int, n_layer: int, n_embd: int, weight_bytes: float, flop_per_node: float,
+                bandwidth: float, rate: float, prefix: int = PREFIX) -> dict:
+    """The bounds of an ``n``-node pass below ``prefix`` committed tokens whose nodes score
+    ``keys`` keys in all, at ``bandwidth`` bytes/s and ``rate`` FLOP/s. Besides the weights it
+    reads the float32 K and V of every layer for the prefix and the nodes (``kv_bytes``), and
+    besides the products' ``flop_per_node`` a node it computes 2 FLOP per key it scores and per
+    value it weighs in each of the width's columns, in every layer (``attention_flop``): at the
+    128-token prefix, for the demo oracle, 2.1 MB against 16.8 MB of weights and 1.1 MFLOP a
+    node against 16.8. ``weights_bound_s``: the larger bound of the weights alone (the products',
+    the only ones this bench counted before)."""
+    kv_bytes = 2 * n_layer * (prefix + n) * n_embd * 4
+    attention_flop = 4 * n_layer * n_embd * keys
+    return {"compute_bound_s": (flop_per_node * n + attention_flop) / rate,
+            "bandwidth_bound_s": (weight_bytes + kv_bytes) / bandwidth, "kv_bound_s": kv_bytes / bandwidth,
+            "kv_bytes": kv_bytes, "attention_flop": attention_flop,
+            "weights_bound_s": max(flop_per_node * n / rate, weight_bytes / bandwidth)}
 
 
 def engine_tokens_per_s(path: str, tokens: int = 128) -> float:
@@ -239,7 +267,8 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
     raw = []
     for k in range(args.rounds):
         progress(f"{name}: round {k + 1} of {args.rounds} ...")
-        r = {"bw": read_bandwidth(nbytes), "ms": decode_ms(model, backend), "curve": node_curve(model, backend)}
+        curve, keys = node_curve(model, backend)
+        r = {"bw": read_bandwidth(nbytes), "ms": decode_ms(model, backend), "curve": curve}
         if not args.no_hf:
             r["engine"], r["hf"] = engine_tokens_per_s(path), hf_tokens_per_s(path)
         if not args.no_llama_cpp:
@@ -259,11 +288,13 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
     # The widening bound: the packed float16 bytes at the rate this CPU widens them alone (None
     # for weights packed float32, which are not widened).
     bound_widen = native.weight_bytes / widen if widen and native.half else None
+    cfg = model.config
     nodes = {}
     for n, t in curve.items():
-        compute = flop_per_node * n / rate
-        nodes[str(n)] = {"seconds": t, "compute_bound_s": compute, "bandwidth_bound_s": bound_bw,
-                         "ratio_to_bound": t / max(compute, bound_bw)}
+        node = pass_bounds(n, keys[n], cfg.n_layer, cfg.n_embd, nbytes, flop_per_node, bw, rate)
+        node.update(seconds=t, ratio_to_bound=t / max(node["compute_bound_s"], node["bandwidth_bound_s"]),
+                    ratio_to_weights_bound=t / node["weights_bound_s"])
+        nodes[str(n)] = node
     # Each round's decode against the bound its own bandwidth probe, run just before, set: the
     # machine's state is the same for both (on a shared VM the DRAM read rate moves between
     # rounds by up to 1.6x, and the best probe of one round against the median decode of others
@@ -328,7 +359,8 @@ def table(result: dict) -> str:
             + (f"{r['widening_bound_ms']:.3f} | " if r.get("widening_bound_ms") else "none (fp32) | ")
             + f"{_num(eng)} | {_num(r.get('hf_tokens_per_s'))} | "
             + (f"{lc_ts:.0f} | {r.get('engine_vs_llama_cpp', eng / lc_ts):.2f}x |" if lc_ts and eng else f"n/a ({lc.get('unavailable', 'not run')[:80]}) | |"))
-    lines += ["", "N-node pass time over max(bandwidth bound, compute bound):", "",
+    lines += ["", f"N-node pass time over max(bandwidth bound, compute bound), a tree below a {PREFIX}-token prefix; "
+              "each bound counts the weights and what attention reads (the K/V cache) and computes:", "",
               "| model | " + " | ".join(f"N={n}" for n in NODES) + " |", "|---|" + "---|" * len(NODES)]
     for name, r in result["models"].items():
         lines.append(f"| {name} | " + " | ".join(f"{r['nodes'][str(n)]['ratio_to_bound']:.2f}" for n in NODES) + " |")

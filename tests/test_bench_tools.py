@@ -188,6 +188,24 @@ def test_passes_on_the_float32_packing_are_held_to_its_stream_not_the_widening()
     assert row["nodes"]["8"]["ratio_to_widening_plus_compute"] == pytest.approx(1.5 / 1.0)
 
 
+def test_a_pass_is_bounded_by_what_its_attention_reads_and_computes_too():
+    """An N-node pass reads the K/V cache of its prefix and nodes and scores and weighs every key
+    its nodes see, besides the weights: the bounds count both (by hand: 2 layers, width 4, a
+    16-token prefix, 3 nodes scoring 50 keys in all)."""
+    roofline = _bench_module("roofline")
+    b = roofline.pass_bounds(3, 50, n_layer=2, n_embd=4, weight_bytes=1000.0, flop_per_node=500.0,
+                             bandwidth=100.0, rate=10.0, prefix=16)
+    assert b["kv_bytes"] == 2 * 2 * 19 * 4 * 4  # K and V, 2 layers, 19 slots, 4 floats
+    assert b["attention_flop"] == 4 * 2 * 4 * 50
+    assert b["bandwidth_bound_s"] == pytest.approx((1000 + 1216) / 100)
+    assert b["compute_bound_s"] == pytest.approx((1500 + 1600) / 10)
+    assert b["kv_bound_s"] == pytest.approx(12.16)
+    assert b["weights_bound_s"] == pytest.approx(max(1500 / 10, 1000 / 100))
+    # a pass on the float32 packing reads its weights twice over, its K/V cache once
+    ref = roofline.widening_reference
+    assert ref(8, compute=0.3, bound_bw=0.6, bound_widen=0.6, float32_from=8, kv_bw=0.1) == pytest.approx(1.1)
+
+
 def test_the_linear_table_shows_what_widening_adds_to_fp32_packing():
     linear = _bench_module("linear")
     rows = {str(n): {"fp16_us": 100.0 + 10 * n, "fp16_over_bound": 1.5, "torch_fp32_us": 300.0,
