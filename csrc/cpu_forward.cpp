@@ -1013,20 +1013,31 @@ void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, 
   if (q < nq) head_values_cols<1>(qs + q, common, vbase, ks, D);
 }
 
+// Vector registers of the build: 32 in AVX-512, 16 in AVX2.
+constexpr int kVecRegs = kLanes == 16 ? 32 : 16;
+
 // Scores of QN queries (1 or 2) against the committed slots [0, shared) (a multiple of 4), four
 // slots a group: per (query, slot) the very FMA chain over D and vsum4 tree of score4, so the same
-// bits, with the queries' NV vectors (the last a tail of ``tail`` lanes when Tail) loaded once
-// into registers instead of once a group, the loops over D unrolled, and each K row loaded once
-// for both queries of a pair. Prefetches ``ahead`` slots on in the K and V streams (0: none).
+// bits, with the loops over D unrolled and each K row loaded once for both queries of a pair. The
+// queries' NV vectors (the last a tail of ``tail`` lanes when Tail) are loaded into registers
+// once where they fit beside the 4 QN accumulators (every AVX-512 case; in AVX2, up to 24
+// columns a pair, 64 alone), else once a group from L1: holding a pair's 64 columns in AVX2's 16
+// registers, GCC spilled an accumulator instead, a store-to-load round trip per FMA on its chain.
+// Prefetches ``ahead`` slots on in the K and V streams (0: none).
 template <int NV, bool Tail, int QN>
 void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const float* kbase, const float* vbase, int64_t ks,
                    int64_t D, int64_t tail, float sc, int64_t ahead) {
-  vec qv[QN][NV];
+  constexpr bool hold = QN * NV + 4 * QN + 2 <= kVecRegs;
+  auto qload = [&](int u, int c) {
+    return (Tail && c == NV - 1) ? vload_tail(qs[u].q + c * kLanes, tail) : vload(qs[u].q + c * kLanes);
+  };
+  vec qv[QN][hold ? NV : 1];
+  if constexpr (hold) {
 #pragma GCC unroll 8
-  for (int u = 0; u < QN; ++u)
+    for (int u = 0; u < QN; ++u)
 #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c)
-      qv[u][c] = (Tail && c == NV - 1) ? vload_tail(qs[u].q + c * kLanes, tail) : vload(qs[u].q + c * kLanes);
+      for (int c = 0; c < NV; ++c) qv[u][c] = qload(u, c);
+  }
   const __m128 vsc = _mm_set1_ps(sc);
   for (int64_t s0 = 0; s0 < shared; s0 += 4) {
     if (ahead && s0 + ahead < common) {
@@ -1042,12 +1053,15 @@ void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const float* k
       for (int j = 0; j < 4; ++j) acc[u][j] = vzero();
 #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) {
+      vec qc[QN];
+#pragma GCC unroll 8
+      for (int u = 0; u < QN; ++u) qc[u] = hold ? qv[u][hold ? c : 0] : qload(u, c);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const float* kr = k0 + j * ks + c * kLanes;
         const vec kv = (Tail && c == NV - 1) ? vload_tail(kr, tail) : vload(kr);
 #pragma GCC unroll 8
-        for (int u = 0; u < QN; ++u) acc[u][j] = vfma(qv[u][c], kv, acc[u][j]);
+        for (int u = 0; u < QN; ++u) acc[u][j] = vfma(qc[u], kv, acc[u][j]);
       }
     }
 #pragma GCC unroll 8
