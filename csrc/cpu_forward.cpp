@@ -886,6 +886,17 @@ inline void prefetch_rows(const float* base, int64_t s, int64_t n, int64_t ks, i
 // scores four list entries at a time (an FMA chain over D, then vsum4), softmax, and values in
 // even/odd pairs of list entries; the shared part is cut at a multiple of 4 (scores) and of 2
 // (values) of the list index, so the pairing and grouping match the per-query continuation.
+// The score loops' prefetch, at the group of four committed slots from s0: the K rows ``ahead``
+// slots on into L1 and the same V rows into L2 for the value pass that follows (0: none).
+inline void prefetch_group(const float* kbase, const float* vbase, int64_t s0, int64_t ahead, int64_t common,
+                           int64_t ks, int64_t D) {
+  if (ahead && s0 + ahead < common) {
+    const int64_t n = std::min<int64_t>(4, common - s0 - ahead);
+    prefetch_rows<_MM_HINT_T0>(kbase, s0 + ahead, n, ks, D);
+    prefetch_rows<_MM_HINT_T1>(vbase, s0 + ahead, n, ks, D);
+  }
+}
+
 struct HeadQuery {
   const float* q;          // (D)
   const int64_t* pending;  // its visible pending slots: list entries common, common + 1, ..
@@ -1040,11 +1051,7 @@ void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const float* k
   }
   const __m128 vsc = _mm_set1_ps(sc);
   for (int64_t s0 = 0; s0 < shared; s0 += 4) {
-    if (ahead && s0 + ahead < common) {
-      const int64_t n = std::min<int64_t>(4, common - s0 - ahead);
-      prefetch_rows<_MM_HINT_T0>(kbase, s0 + ahead, n, ks, D);
-      prefetch_rows<_MM_HINT_T1>(vbase, s0 + ahead, n, ks, D);
-    }
+    prefetch_group(kbase, vbase, s0, ahead, common, ks, D);
     const float* k0 = kbase + s0 * ks;
     vec acc[QN][4];
 #pragma GCC unroll 8
@@ -1108,11 +1115,7 @@ void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbas
     head_scores_shared(qs, nq, shared, common, kbase, vbase, ks, D, sc, ahead);
   } else {
     for (int64_t s0 = 0; s0 < shared; s0 += 4) {
-      if (ahead && s0 + ahead < common) {
-        const int64_t n = std::min<int64_t>(4, common - s0 - ahead);
-        prefetch_rows<_MM_HINT_T0>(kbase, s0 + ahead, n, ks, D);
-        prefetch_rows<_MM_HINT_T1>(vbase, s0 + ahead, n, ks, D);
-      }
+      prefetch_group(kbase, vbase, s0, ahead, common, ks, D);
       const float* kr[4] = {kbase + s0 * ks, kbase + (s0 + 1) * ks, kbase + (s0 + 2) * ks, kbase + (s0 + 3) * ks};
       for (int64_t q = 0; q < nq; ++q) score4(qs[q].q, kr, D, sc, qs[q].p + s0, 4);
     }
