@@ -15,7 +15,8 @@ GPT-2 small, at 1-64 rows, in the same run as
 - torch's ``x @ W.T`` in fp32 at the same shapes;
 - the same kernel on fp32-packed weights (twice the bytes, no widening), where they fit;
 - the **widening bound**: the packed fp16 bytes at the rate this CPU widens float16 to float32
-  with nothing else to do (``_cpu.widen_seconds``, the best of three). Where the time the fp16
+  as a one-row product does, from L1, each widened vector into its FMA (``_cpu.widen_seconds``,
+  the best of three). Where the time the fp16
   kernel takes beyond the fp32-packed one at 6 rows (the same FMAs) is about this bound, the
   widening does not overlap the FMAs: it takes their pipes, and a pass pays both.
 

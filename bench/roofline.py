@@ -18,8 +18,9 @@ fp16 weights, or ``--models DIR ...``):
   products plus 4 x layers x width FLOP for each key a node scores and each value it weighs, at
   the fp32 GEMM rate torch's BLAS reaches here on a 1024^3 product); for models packed float16,
   also against the
-  **widening bound** (their packed bytes at the rate this CPU widens float16 to float32 alone,
-  ``_cpu.widen_seconds``) plus the compute bound: what the pass costs where the widening and the
+  **widening bound** (their packed bytes at the rate a one-row product widens float16 to
+  float32 from L1, each widened vector into its FMA: ``_cpu.widen_seconds``) plus the compute
+  bound of the rows beyond the first: what the pass costs where the widening and the other rows'
   FMAs take turns on the same pipes (on the AVX2 Zen 1 they mostly do; a ratio under 1 shows
   them overlapping);
 - plain decoding tokens/s through the Engine against HF transformers ``generate`` (greedy, fp32)
@@ -84,11 +85,12 @@ def gemm_rate() -> float:
 
 
 def widening_rate(tries: int = 1, nbytes: int = 8 << 20, repeats: int = 7) -> float | None:
-    """Bytes/s of float16 weights widened to float32 on every thread with nothing else to do
-    (``_cpu.widen_seconds``: F16C's conversion, as the decoder's products widen fp16-packed
-    weights, from slices the L1 cache holds): the best of ``tries`` medians of ``repeats`` passes
-    over ``nbytes``. A pass over fp16-packed weights cannot run faster than its weights widen,
-    whatever the weight stream delivers. None where the extension is not built."""
+    """Bytes/s of float16 weights widened to float32 on every thread with no weight stream to
+    wait on (``_cpu.widen_seconds``: F16C's conversion in the vector form a one-row product uses,
+    each widened vector into an FMA as there, from slices the L1 cache holds): the best of
+    ``tries`` medians of ``repeats`` passes over ``nbytes``. A pass over fp16-packed weights
+    cannot run faster than its weights widen, whatever the weight stream delivers. None where
+    the extension is not built."""
     from staged_engine.model.backend import _cpu
 
     if _cpu is None or not hasattr(_cpu, "widen_seconds"):
@@ -97,15 +99,17 @@ def widening_rate(tries: int = 1, nbytes: int = 8 << 20, repeats: int = 7) -> fl
 
 
 def widening_reference(n: int, compute: float, bound_bw: float, bound_widen: float,
-                       float32_from: int | None, kv_bw: float = 0.0) -> float:
+                       float32_from: int | None, kv_bw: float = 0.0, first_row: float = 0.0) -> float:
     """Seconds an ``n``-node pass of a float16-packed model costs where the widening and the FMAs
-    take turns: its widening bound plus its compute bound (at least its bandwidth bound); from
-    ``float32_from`` rows on, where the pass reads the model's float32 packing instead
-    (``TorchBackend.wide_rows``), twice the weight stream and no widening: the larger of that
-    bandwidth bound (the K/V cache's ``kv_bw`` part of ``bound_bw`` read once) and the compute bound."""
+    take turns: its widening bound plus its compute bound less ``first_row``, the products' FMAs
+    of one row, which the widening probe already runs (at least its bandwidth bound; results
+    measured before the probe ran them have none); from ``float32_from`` rows on, where the pass
+    reads the model's float32 packing instead (``TorchBackend.wide_rows``), twice the weight
+    stream and no widening: the larger of that bandwidth bound (the K/V cache's ``kv_bw`` part of
+    ``bound_bw`` read once) and the compute bound."""
     if float32_from is not None and n >= float32_from:
         return max(2 * bound_bw - kv_bw, compute)
-    return max(bound_widen + compute, bound_bw)
+    return max(bound_widen + compute - first_row, bound_bw)
 
 
 def derive_widening_ratios(row: dict) -> None:
@@ -118,7 +122,7 @@ def derive_widening_ratios(row: dict) -> None:
     for n, node in row["nodes"].items():
         node["ratio_to_widening_plus_compute"] = node["seconds"] / widening_reference(
             int(n), node["compute_bound_s"], node["bandwidth_bound_s"], row["widening_bound_ms"] / 1e3, float32_from,
-            node.get("kv_bound_s", 0.0))
+            node.get("kv_bound_s", 0.0), node.get("row_compute_s", 0.0))
 
 
 def gpt2_small_checkpoint(tokenizer_from: str) -> str:
@@ -213,12 +217,13 @@ def pass_bounds(n: int, keys: int, n_layer: int, n_embd: int, weight_bytes: floa
     value it weighs in each of the width's columns, in every layer (``attention_flop``): at the
     128-token prefix, for the demo oracle, 2.1 MB against 16.8 MB of weights and 1.1 MFLOP a
     node against 16.8. ``weights_bound_s``: the larger bound of the weights alone (the products',
-    the only ones this bench counted before)."""
+    the only ones this bench counted before); ``row_compute_s``: the products' FMAs of one row
+    (the part of the compute bound the widening probe runs too: ``widening_reference``)."""
     kv_bytes = 2 * n_layer * (prefix + n) * n_embd * 4
     attention_flop = 4 * n_layer * n_embd * keys
     return {"compute_bound_s": (flop_per_node * n + attention_flop) / rate,
             "bandwidth_bound_s": (weight_bytes + kv_bytes) / bandwidth, "kv_bound_s": kv_bytes / bandwidth,
-            "kv_bytes": kv_bytes, "attention_flop": attention_flop,
+            "kv_bytes": kv_bytes, "attention_flop": attention_flop, "row_compute_s": flop_per_node / rate,
             "weights_bound_s": max(flop_per_node * n / rate, weight_bytes / bandwidth)}
 
 
@@ -367,7 +372,7 @@ def table(result: dict) -> str:
     widened = {name: r for name, r in result["models"].items() if r.get("widening_bound_ms")}
     if widened:  # where the widening competes with the FMAs for the same pipes, their times add
         lines += ["", "The same passes of fp16-packed models over max(bandwidth bound, widening bound + compute "
-                  "bound); marked *, passes from the row count at which the model takes its float32 packing, over "
+                  "bound of the rows beyond the first: the widening probe runs one row's FMAs); marked *, passes from the row count at which the model takes its float32 packing, over "
                   "max(twice the bandwidth bound, compute bound):", "",
                   "| model | " + " | ".join(f"N={n}" for n in NODES) + " |", "|---|" + "---|" * len(NODES)]
         for name, r in widened.items():

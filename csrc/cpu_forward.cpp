@@ -1918,27 +1918,59 @@ std::vector<double> read_seconds(int64_t nbytes, int64_t repeats) {
 }
 
 // Seconds of each of ``repeats`` passes that widen ``nbytes`` of float16 weights to float32 as
-// every product over fp16-packed weights does (vloadw: F16C's VCVTPH2PS, the build's vector
-// width), split over the threads, each re-reading a 16 KiB slice that its L1 cache holds and
-// summing into eight accumulators: the rate this CPU widens at with no weight stream to wait on
-// and no FMAs beside it. It bounds a pass over fp16-packed weights from below as the weight
-// stream does (bench/roofline.py, bench/linear.py): on the project's AVX2 Zen 1 a 256-bit
-// widening took ~3 cycles, 13 GB/s of float16 a core, below what its DRAM delivers to two.
+// a one-row product does, split over the threads, each re-reading a 16 KiB slice that its L1
+// cache holds: the rate this CPU widens at with no weight stream to wait on. Each widened vector
+// goes into an FMA, as in the product: in the form that product takes (block_narrow's 256-bit
+// halves where narrow_rows() >= 1 in an AVX-512 build, else vloadw at the build's width), into
+// eight accumulators (sixteen halves). It bounds a pass over fp16-packed weights from below as
+// the weight stream does (bench/roofline.py, bench/linear.py): on the project's AVX2 Zen 1 a
+// 256-bit widening took ~3 cycles, 13 GB/s of float16 a core, below what its DRAM delivers to
+// two. (Until this form the widened vectors were summed with adds at the build's width, which
+// on a Zen 4, AMD EPYC, ran at neither rate a product runs at: a 512-bit VCVTPH2PS issues at
+// half the rate of two 256-bit ones, and 256-bit widening into adds was as slow, 50-57 GB/s a
+// core either way against 81-88 for 256-bit widening into FMAs in the same run, one core, L1;
+// the old probe read 117 GB/s on two threads while one-row products over 1 MB of weights in L2
+// widened 155-164 GB/s, so its "bound" was not one.)
 std::vector<double> widen_seconds(int64_t nbytes, int64_t repeats) {
   check_probe_args(nbytes, repeats);
   constexpr int64_t kSlice = 8192;  // halves a thread re-reads: 16 KiB
   const int64_t unit = 8 * kLanes;  // halves a step
   aligned_vector<uint16_t> buf(kSlice * forward_threads(), 0x3c00);  // float16 1.0
   const int64_t halves = nbytes / 2 / unit * unit;
+#if defined(__AVX512F__)
+  const bool halves256 = narrow_rows() >= 1;
+#endif
   return time_parts(repeats, "widening", [&](int tid, int nth) {
     const int64_t units = halves / unit, todo = (units * (tid + 1) / nth - units * tid / nth) * unit;
     const uint16_t* slice = buf.data() + static_cast<int64_t>(tid) * kSlice;
+#if defined(__AVX512F__)
+    if (halves256) {  // block_narrow<1, kPanels>'s loop: a 256-bit widening, then its FMA
+      const __m256 one = _mm256_set1_ps(1.f);
+      __m256 acc[16];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (int64_t done = 0; done < todo;) {
+        const int64_t n = std::min(kSlice, todo - done);
+        for (const uint16_t* q = slice; q < slice + n; q += unit)
+          for (int j = 0; j < 16; ++j)
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * 8))),
+                                     one, acc[j]);
+        done += n;
+      }
+      for (int j = 1; j < 16; ++j) acc[0] = _mm256_add_ps(acc[0], acc[j]);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc[0]);
+      float sum = 0.f;
+      for (float v : lanes) sum += v;
+      return sum;
+    }
+#endif
+    const vec one = vset1(1.f);
     vec acc[8];
     for (auto& a : acc) a = vzero();
     for (int64_t done = 0; done < todo;) {
       const int64_t n = std::min(kSlice, todo - done);
       for (const uint16_t* q = slice; q < slice + n; q += unit)
-        for (int j = 0; j < 8; ++j) acc[j] = vadd(acc[j], vloadw(q + j * kLanes));
+        for (int j = 0; j < 8; ++j) acc[j] = vfma(vloadw(q + j * kLanes), one, acc[j]);
       done += n;
     }
     for (int j = 1; j < 8; ++j) acc[0] = vadd(acc[0], acc[j]);
@@ -1994,8 +2026,9 @@ void register_native_forward(py::module& m) {
         "bandwidth a weight stream of that size reaches here", py::arg("nbytes"), py::arg("repeats"),
         py::call_guard<py::gil_scoped_release>());
   m.def("widen_seconds", &widen_seconds,
-        "seconds of each of `repeats` passes that widen `nbytes` of float16 weights to float32 as the decoder's "
-        "products do, split over the threads, from L1-resident slices: the widening rate alone",
+        "seconds of each of `repeats` passes that widen `nbytes` of float16 weights to float32 as a one-row "
+        "product does (its vector form, each widened vector into an FMA), split over the threads, from "
+        "L1-resident slices: the widening rate with no weight stream to wait on",
         py::arg("nbytes"), py::arg("repeats"), py::call_guard<py::gil_scoped_release>());
   m.def("huge_pages", &huge_pages,
         "whether native buffers of 2 MiB or more (packed weights, the read probe's buffer) are advised as "

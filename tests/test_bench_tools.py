@@ -186,6 +186,14 @@ def test_passes_on_the_float32_packing_are_held_to_its_stream_not_the_widening()
     assert row["float32_from_rows"] == 8
     assert row["nodes"]["4"]["ratio_to_widening_plus_compute"] == pytest.approx(1.8 / 0.9)
     assert row["nodes"]["8"]["ratio_to_widening_plus_compute"] == pytest.approx(1.5 / 1.0)
+    # The widening probe runs one row's FMAs with the widening: those are not counted twice
+    # (results measured before it did carry no row_compute_s, and keep the plain sum).
+    assert ref(4, compute=0.3, bound_bw=0.5, bound_widen=0.6, float32_from=8, first_row=0.075) == \
+        pytest.approx(0.6 + 0.225)
+    assert ref(1, compute=0.1, bound_bw=0.5, bound_widen=0.6, float32_from=None, first_row=0.1) == 0.6
+    row["nodes"]["4"]["row_compute_s"] = 0.075
+    roofline.derive_widening_ratios(row)
+    assert row["nodes"]["4"]["ratio_to_widening_plus_compute"] == pytest.approx(1.8 / 0.825)
 
 
 def test_a_pass_is_bounded_by_what_its_attention_reads_and_computes_too():
@@ -201,6 +209,7 @@ def test_a_pass_is_bounded_by_what_its_attention_reads_and_computes_too():
     assert b["compute_bound_s"] == pytest.approx((1500 + 1600) / 10)
     assert b["kv_bound_s"] == pytest.approx(12.16)
     assert b["weights_bound_s"] == pytest.approx(max(1500 / 10, 1000 / 100))
+    assert b["row_compute_s"] == pytest.approx(500 / 10)  # one row's products
     # a pass on the float32 packing reads its weights twice over, its K/V cache once
     ref = roofline.widening_reference
     assert ref(8, compute=0.3, bound_bw=0.6, bound_widen=0.6, float32_from=8, kv_bw=0.1) == pytest.approx(1.1)
