@@ -372,7 +372,8 @@ def table(result: dict) -> str:
     widened = {name: r for name, r in result["models"].items() if r.get("widening_bound_ms")}
     if widened:  # where the widening competes with the FMAs for the same pipes, their times add
         lines += ["", "The same passes of fp16-packed models over max(bandwidth bound, widening bound + compute "
-                  "bound of the rows beyond the first: the widening probe runs one row's FMAs); marked *, passes from the row count at which the model takes its float32 packing, over "
+                  "bound of the rows beyond the first: the widening probe runs one row's FMAs); marked *, passes "
+                  "from the row count at which the model takes its float32 packing, over "
                   "max(twice the bandwidth bound, compute bound):", "",
                   "| model | " + " | ".join(f"N={n}" for n in NODES) + " |", "|---|" + "---|" * len(NODES)]
         for name, r in widened.items():

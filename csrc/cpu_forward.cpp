@@ -1921,8 +1921,8 @@ std::vector<double> read_seconds(int64_t nbytes, int64_t repeats) {
 // a one-row product does, split over the threads, each re-reading a 16 KiB slice that its L1
 // cache holds: the rate this CPU widens at with no weight stream to wait on. Each widened vector
 // goes into an FMA, as in the product: in the form that product takes (block_narrow's 256-bit
-// halves where narrow_rows() >= 1 in an AVX-512 build, else vloadw at the build's width), into
-// eight accumulators (sixteen halves). It bounds a pass over fp16-packed weights from below as
+// halves where narrow_rows() >= 1 in an AVX-512 build, sixteen 256-bit accumulators; else
+// vloadw at the build's width, eight). It bounds a pass over fp16-packed weights from below as
 // the weight stream does (bench/roofline.py, bench/linear.py): on the project's AVX2 Zen 1 a
 // 256-bit widening took ~3 cycles, 13 GB/s of float16 a core, below what its DRAM delivers to
 // two. (Until this form the widened vectors were summed with adds at the build's width, which
