@@ -512,6 +512,8 @@ class Engine:
             decoder.start(ids)
         prefill_seconds = time.perf_counter() - t0
         prefill_calls = decoder.oracle.calls
+        # What the prompt's passes took, kept apart: the decode's forward time is what follows.
+        prefill_forward, prefill_draft = decoder.oracle.forward_seconds, decoder.draft_seconds()
         while True:
             remaining = min(max_new_tokens - produced, n_ctx - len(ids) - produced + (healed is not None))
             if remaining <= 0:
@@ -539,6 +541,8 @@ class Engine:
             tokens_per_second=produced / max(seconds - prefill_seconds, 1e-9),
             prefill_tokens=len(ids) - 1 - (healed is not None), finish_reason=finish,
             forward_seconds=forward,
+            oracle_decode_seconds=oracle.forward_seconds - prefill_forward,
+            draft_decode_seconds=decoder.draft_seconds() - prefill_draft,
             overhead_share=max(0.0, 1.0 - forward / seconds) if seconds > 0 else 0.0,
             accepted_lengths=list(decoder.accepted_lengths),
         )

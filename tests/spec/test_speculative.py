@@ -60,6 +60,21 @@ def test_greedy_identity(engine, strategy, opts):
     assert calls < 6 * 48  # speculation accepted something
 
 
+
+def test_decode_forward_seconds(engine):
+    """``oracle_decode_seconds`` and ``draft_decode_seconds`` are the two models' forward time
+    after the prompt's passes: plain decoding runs no draft, and the prompt's prefill (all of
+    ``forward_seconds`` that is neither) is left out of both."""
+    prompt = _prompts(1, 7)[0] * 4  # a long prompt: its prefill takes measurable time
+    plain = engine.generate(prompt, max_new_tokens=24, strategy="plain").stats
+    assert plain["draft_decode_seconds"] == 0.0
+    assert 0.0 < plain["oracle_decode_seconds"] < plain["forward_seconds"]
+    assert plain["oracle_decode_seconds"] <= plain["decode_seconds"]
+    chain = engine.generate(prompt, max_new_tokens=24, strategy="chain", chain_length=3).stats
+    assert chain["draft_calls"] > 0 and chain["draft_decode_seconds"] > 0.0
+    decode = chain["oracle_decode_seconds"] + chain["draft_decode_seconds"]
+    assert 0.0 < decode < chain["forward_seconds"] and decode <= chain["decode_seconds"]
+
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 50, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.9)])
 @pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[3], SHAPES[5], SHAPES[6], *SHAPES[8:]])
 def test_drafter_invariance(engine, strategy, opts, temperature, top_k, top_p):
