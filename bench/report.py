@@ -134,6 +134,39 @@ def section_sweep(sweeps: list[dict], suffix: str = "", where: str = "") -> list
     return out
 
 
+ROUND_COST_CHAINS = (1, 2, 3, 4)  # the fixed chains whose rounds section_round_cost splits
+
+
+def section_round_cost(sweeps: list[dict], suffix: str = "") -> list[str]:
+    """What a round of each fixed chain of ``ROUND_COST_CHAINS`` costs in plain steps, and its
+    parts, from the sweeps that recorded them (``round_plain_steps``)."""
+    lines = []
+    for r in sweeps:
+        for x in r["rows"]:
+            if x["strategy"] != "chain" or x["planned"] or "round_plain_steps" not in x:
+                continue
+            k = x["options"]["chain_length"]
+            if k not in ROUND_COST_CHAINS:
+                continue
+            rest = x["round_plain_steps"] - x["draft_plain_steps"] - x["oracle_pass_plain_steps"]
+            lines.append(f"| {r['mode']} | {k} | {x['tokens_per_oracle_call']:.2f} | {x['round_plain_steps']:.2f} | "
+                         f"{x['draft_plain_steps']:.2f} | {x['oracle_pass_plain_steps']:.2f} | {rest:.2f} | "
+                         f"{x['plain_pass_share']:.2f} | {x['speedup_vs_plain']:.2f}x |")
+    if not lines:
+        return []
+    sources = ", ".join(f"`bench/results/sweep_{r['mode']}{suffix}.json`" for r in sweeps)
+    return ["#### What a fixed chain's round costs\n",
+            "From the same sweeps: per round (oracle pass) of a fixed chain of k drafted tokens, the tokens it "
+            "emits and its cost in plain steps (a plain step's seconds in the paired plain runs), split into "
+            "the draft's passes, the oracle's pass over the root and the chain, and the rest (sampling, "
+            "verification, the interpreter), from the engine's forward timers (`draft_decode_seconds`, "
+            "`oracle_decode_seconds`). A chain beats plain decoding where its tokens per round exceed its "
+            "round's cost; the plain step's own pass is given as its share of the step. Sources: "
+            f"{sources}.\n",
+            "| mode | k | tokens a round | round, plain steps | draft passes | oracle pass | rest "
+            "| plain step's pass | vs plain |", "|---|---|---|---|---|---|---|---|---|", *lines, ""]
+
+
 def section_temperature(r: dict, source: str = "temperature.json", where: str = "") -> list[str]:
     cmd = "staged-engine bench temperature" + (f" --out {source}" if source != "temperature.json" else "")
     out = [f"### Tokens/s against temperature{where} (`{cmd}`)\n",
@@ -246,6 +279,7 @@ def render() -> str:
               if r is not None and "planned" in r and f"sweep_{r['mode']}.json" not in _OLD_CODE]
     if sweeps:
         parts += section_sweep(sweeps)
+        parts += section_round_cost(sweeps)
     r = _load("temperature.json") if "temperature.json" not in _OLD_CODE else None
     if r:
         parts += section_temperature(r)
@@ -253,6 +287,7 @@ def render() -> str:
     sweeps = [r for r in (_load(f"sweep_{m}_avx2.json") for m in ("greedy", "topp", "sampled")) if r is not None]
     if sweeps:
         parts += section_sweep(sweeps, "_avx2", " on an AVX2-only machine")
+        parts += section_round_cost(sweeps, "_avx2")
     r = _load("temperature_avx2.json")
     if r:
         parts += section_temperature(r, "temperature_avx2.json", " on an AVX2-only machine")

@@ -6,7 +6,10 @@ drafts and verifies what pays, see spec/planner.py): tokens/s over a prompt subs
 side by side with plain decoding: every generation of a shape is paired with a plain generation
 of the same prompt just before it, so the machine's drift cancels in the ratio. Reports the
 speedup over plain (all tokens over all seconds, and the median per prompt), tokens per oracle
-call and draft passes per round, and the best fixed shape per strategy. Output is checked
+call and draft passes per round, and the best fixed shape per strategy. And what a shape's round
+costs, in plain steps (a plain step's seconds in the paired plain runs): its draft passes, its
+oracle pass and the rest (sampling, verification, the interpreter), from the engine's forward
+timers; a shape beats plain decoding when its tokens per round exceed its round's cost. Output is checked
 against plain decoding for every generation. Writes bench/results/sweep_<mode>.json.
 
     python bench/sweep.py [--mode greedy|topp|sampled] [--limit 8] [--new-tokens 128]
@@ -72,6 +75,8 @@ def main(argv=None) -> int:
     seconds = {i: [0.0, 0.0] for i in range(len(shapes))}  # shape -> [plain, shape] seconds
     per_prompt = {i: [] for i in range(len(shapes))}
     calls = {i: [0, 0, 0] for i in range(len(shapes))}  # tokens, oracle calls, draft calls
+    # Decode seconds in forward passes: the shape's oracle and draft, and plain's oracle.
+    forward = {i: [0.0, 0.0, 0.0] for i in range(len(shapes))}
     bar = progress_bar(len(prompts) * len(shapes), f"[sweep {mode}]", "runs")
     for j, p in enumerate(prompts):
         for i, (strategy, opts) in enumerate(shapes):
@@ -86,19 +91,29 @@ def main(argv=None) -> int:
             calls[i][0] += res.stats["new_tokens"]
             calls[i][1] += res.stats["oracle_calls"]
             calls[i][2] += res.stats["draft_calls"]
+            forward[i][0] += res.stats["oracle_decode_seconds"]
+            forward[i][1] += res.stats["draft_decode_seconds"]
+            forward[i][2] += ref.stats["oracle_decode_seconds"]
             bar.update(1)
     bar.close()
     tokens = len(prompts) * args.new_tokens
     rows = []
     for i, (strategy, opts) in enumerate(shapes):
         plain_s, shape_s = seconds[i]
+        step = plain_s / tokens  # a plain step's seconds, in the paired plain runs
+        rounds = calls[i][1]
         rows.append({"strategy": strategy, "options": opts, "label": label(strategy, opts), "planned": not opts,
                      "tokens_per_s": tokens / shape_s, "plain_tokens_per_s": tokens / plain_s,
                      "speedup_vs_plain": plain_s / shape_s,
                      "median_speedup_vs_plain": statistics.median(per_prompt[i]),
                      "min_speedup_vs_plain": min(per_prompt[i]),
                      "tokens_per_oracle_call": calls[i][0] / calls[i][1],
-                     "draft_calls_per_round": calls[i][2] / calls[i][1]})
+                     "draft_calls_per_round": calls[i][2] / calls[i][1],
+                     # A round's cost in plain steps, and its parts: what a shape pays per round.
+                     "round_plain_steps": shape_s / rounds / step,
+                     "oracle_pass_plain_steps": forward[i][0] / rounds / step,
+                     "draft_plain_steps": forward[i][1] / rounds / step,
+                     "plain_pass_share": forward[i][2] / plain_s})
     best = {s: max((r for r in rows if r["strategy"] == s and not r["planned"]), key=lambda r: r["speedup_vs_plain"])
             for s in args.strategies}
     planned = {s: next(r for r in rows if r["strategy"] == s and r["planned"]) for s in args.strategies}
@@ -115,6 +130,11 @@ def main(argv=None) -> int:
         b, d = best[s], planned[s]
         print(f"{s}: planned {d['speedup_vs_plain']:.2f}x plain; best fixed {b['label']} "
               f"{b['speedup_vs_plain']:.2f}x; planned / best fixed {d['tokens_per_s'] / b['tokens_per_s']:.2f}")
+    for r in rows:
+        if r["strategy"] == "chain" and not r["planned"] and r["options"]["chain_length"] <= 4:
+            print(f"{r['label']}: {r['tokens_per_oracle_call']:.2f} tokens a round, a round "
+                  f"{r['round_plain_steps']:.2f} plain steps (draft {r['draft_plain_steps']:.2f}, oracle pass "
+                  f"{r['oracle_pass_plain_steps']:.2f}; a plain step's pass {r['plain_pass_share']:.2f})")
     print(f"saved {path}")
     return 0
 

@@ -309,3 +309,23 @@ def test_the_e2e_table_gives_the_speedup_over_prompts_that_do_not_loop():
     text = e2e.markdown({"machine": machine, "n_prompts": 5, "new_tokens": 16, "modes": {"greedy": rows}})
     assert "vs our plain, the 3 prompts that do not loop (median)" in text and "40% of plain continuations loop" in text
     assert "| staged | 130.0 |  |  | 1.30x | 1.76x | 0.90x | 1.10x |" in text
+
+
+def test_the_round_cost_table_splits_a_chains_round_into_its_parts():
+    """section_round_cost: per fixed chain of 1-4 tokens, the round's cost in plain steps and its
+    parts (the rest is what the draft and the oracle pass leave), hand-computed; shapes that are
+    not such chains, and sweeps measured before the split was recorded, add no row."""
+    report = _bench_module("report")
+
+    def chain(k, **kw):
+        return {"strategy": "chain", "planned": False, "options": {"chain_length": k}, "label": f"chain {k}",
+                "tokens_per_oracle_call": 1.75, "speedup_vs_plain": 0.875, **kw}
+
+    split = dict(round_plain_steps=2.0, draft_plain_steps=0.25, oracle_pass_plain_steps=1.5, plain_pass_share=0.96)
+    rows = [chain(1, **split), chain(5, **split), {**chain(2, **split), "planned": True},
+            {**chain(3, **split), "strategy": "tree"}, chain(4)]
+    table = "\n".join(report.section_round_cost([{"mode": "greedy", "rows": rows}]))
+    assert "| greedy | 1 | 1.75 | 2.00 | 0.25 | 1.50 | 0.25 | 0.96 | 0.88x |" in table
+    assert table.count("| greedy |") == 1  # chain 5, the planned chain, a tree, chain 4 without the split
+    assert "`bench/results/sweep_greedy.json`" in table
+    assert report.section_round_cost([{"mode": "greedy", "rows": [chain(1)]}]) == []
