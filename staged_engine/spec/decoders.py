@@ -32,8 +32,11 @@ PLAIN_BATCH = 8
 # step takes tens of milliseconds: the demo oracle runs ~1,000 steps in it.
 CALL_SECONDS = 0.25
 # Rounds a pinned draft chain runs back to back (one native call, ``_cpu.chain_rounds``): its
-# streams arrive in pieces of up to this many rounds' tokens. A planner's fixed chain runs the
-# rest of its block (16 rounds) in one call.
+# streams arrive in pieces of up to this many rounds' tokens. Where nobody reads the tokens before
+# the end (``Engine.generate``) a call runs as many rounds as fit in CALL_SECONDS (the first call
+# this many): each return to Python cost ~150 us of interpreter work run cold after the oracle's
+# pass, ~37 us a round of a chain of one at 4 rounds a call (demo pair, Zen 4). A planner's fixed
+# chain runs the rest of its block (16 rounds) in one call.
 CHAIN_BATCH = 4
 
 
@@ -173,6 +176,7 @@ class SpeculativeDecoder(Decoder):
         self.clock = RoundClock()
         # The last catch-up's seconds not yet charged, and its share per token emitted (``round``).
         self.catch_up_left = self.catch_up_per_token = 0.0
+        self.round_seconds: float | None = None  # wall seconds a round of the last native chain block
 
     def start(self, prompt: list[int]) -> None:
         super().start(prompt)
@@ -180,6 +184,15 @@ class SpeculativeDecoder(Decoder):
         self.drafter.start(prompt, lazy=self.planner is not None)
         self.clock.reset()
         self.catch_up_left = self.catch_up_per_token = 0.0
+        self.round_seconds = None
+
+    def call_rounds(self) -> int:
+        """Rounds a pinned chain's native call may run: ``CHAIN_BATCH`` for a stream's pieces and
+        for the first call; where nobody reads the tokens before the end, then, what the last
+        call's rate runs in ``CALL_SECONDS``."""
+        if not self.whole or self.round_seconds is None:
+            return CHAIN_BATCH
+        return max(CHAIN_BATCH, int(CALL_SECONDS / max(self.round_seconds, 1e-9)))
 
     def _drafted_seconds(self, emitted: int, remaining: int) -> float:
         """A drafted round's seconds on the clock plus its share of the last catch-up (``round``),
@@ -207,7 +220,7 @@ class SpeculativeDecoder(Decoder):
         if planner is None:
             shape = self.drafter.shape
             depth = min(shape.max_depth, shape.budget - 1)
-            block = self._native_chain_block(remaining, depth, CHAIN_BATCH)
+            block = self._native_chain_block(remaining, depth, self.call_rounds())
             if block is not None:
                 return block[0]
             emitted = self._native_chain(remaining, depth)
@@ -361,6 +374,7 @@ class SpeculativeDecoder(Decoder):
         t, top_k, top_p, seed, dt, dk, dseed = self._native_rules()
         d_start = draft.reserve(len(unseen) + n - 1)
         o_start = oracle.reserve(n)
+        t0 = time.perf_counter()
         try:
             out, lengths, unseen, kept, passes, d_rows, d_seconds, o_seconds, o_rows, _ = _cpu.chain_rounds(
                 draft.native, draft.cache.k, draft.cache.v, d_start, unseen, oracle.native, oracle.cache.k,
@@ -371,6 +385,7 @@ class SpeculativeDecoder(Decoder):
             draft.discard()
             oracle.discard()
             raise
+        self.round_seconds = (time.perf_counter() - t0) / max(len(lengths), 1)
         draft.count(passes, d_seconds, d_rows)
         oracle.count(len(lengths), o_seconds, o_rows)
         oracle.commit(list(range(len(out))))

@@ -39,12 +39,12 @@ class NativeRounds(SpeculativeDecoder):
         return None
 
 
-def _make(cls, oracle, draft, params, depth, window=None, stop_token=None):
+def _make(cls, oracle, draft, params, depth, window=None, stop_token=None, whole=False):
     sampling = SamplingConfig.make(params, oracle.config.vocab_size)
     backend = TorchBackend(native=True)
     shape = TreeShape(budget=depth + 1, max_depth=depth, children=1, expand=1)
     drafter = ModelDrafter(ModelRunner(draft, backend), sampling, shape, window=window)
-    return cls(ModelRunner(oracle, backend), sampling, drafter, "chain", stop_token=stop_token)
+    return cls(ModelRunner(oracle, backend), sampling, drafter, "chain", stop_token=stop_token, whole=whole)
 
 
 def _run(decoder, prompt, n):
@@ -104,6 +104,39 @@ def test_native_chain_rounds_equal_the_python_rounds_and_plain_decoding(pair, pa
     assert len(block_calls) < len(got_rounds)  # rounds did run in blocks
     _assert_same_state(native, python)
     _assert_same_state(blocks, python)
+
+
+@pytest.mark.parametrize("params", RULES[:2], ids=["greedy", "top_k"])
+def test_a_whole_generation_runs_its_chain_in_calls_as_long_as_plain_steps(pair, params, monkeypatch):
+    """Where nobody reads the tokens before the end (``whole``), a pinned chain's first native
+    call runs ``CHAIN_BATCH`` rounds and the next as many as fit in ``CALL_SECONDS`` (all the rest
+    here); a stream's calls stay at ``CHAIN_BATCH`` rounds. The tokens are plain decoding's."""
+    from staged_engine.spec import decoders
+
+    oracle, draft = (load_model(d) for d in pair)
+    prompt = torch.randint(0, oracle.config.vocab_size, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    rounds = []
+    real = _cpu.chain_rounds
+
+    def counting(*args, **kwargs):
+        got = real(*args, **kwargs)
+        rounds.append(len(got[1]))  # the rounds this call ran
+        return got
+
+    monkeypatch.setattr(_cpu, "chain_rounds", counting)
+    got = {}
+    with torch.inference_mode():
+        for whole in (True, False):
+            rounds.clear()
+            got[whole], _ = _run(_make(SpeculativeDecoder, oracle, draft, params, 1, whole=whole), prompt, 40)
+            calls = list(rounds)
+            if whole:
+                assert len(calls) == 2 and calls[0] == decoders.CHAIN_BATCH and calls[1] > decoders.CHAIN_BATCH
+            else:
+                assert len(calls) > 2 and max(calls) == decoders.CHAIN_BATCH
+        sampling = SamplingConfig.make(params, oracle.config.vocab_size)
+        ref, _ = _run(PlainDecoder(ModelRunner(oracle, TorchBackend(native=True)), sampling), prompt, 40)
+    assert got[True][:40] == got[False][:40] == ref[:40]
 
 
 @pytest.mark.parametrize("params", RULES[:2], ids=["greedy", "top_k"])
