@@ -160,7 +160,8 @@ def section_round_cost(sweeps: list[dict], suffix: str = "") -> list[str]:
             "emits and its cost in plain steps (a plain step's seconds in the paired plain runs), split into "
             "the draft's passes, the oracle's pass over the root and the chain, and the rest (sampling, "
             "verification, the interpreter), from the engine's forward timers (`draft_decode_seconds`, "
-            "`oracle_decode_seconds`). A chain beats plain decoding where its tokens per round exceed its "
+            "`oracle_decode_seconds`; the prompt's prefill, the draft's too, runs before the decode and is in "
+            "none of them). A chain beats plain decoding where its tokens per round exceed its "
             "round's cost; the plain step's own pass is given as its share of the step. Sources: "
             f"{sources}.\n",
             "| mode | k | tokens a round | round, plain steps | draft passes | oracle pass | rest "
