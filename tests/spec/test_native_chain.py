@@ -109,8 +109,9 @@ def test_native_chain_rounds_equal_the_python_rounds_and_plain_decoding(pair, pa
 @pytest.mark.parametrize("params", RULES[:2], ids=["greedy", "top_k"])
 def test_a_whole_generation_runs_its_chain_in_calls_as_long_as_plain_steps(pair, params, monkeypatch):
     """Where nobody reads the tokens before the end (``whole``), a pinned chain's first native
-    call runs ``CHAIN_BATCH`` rounds and the next as many as fit in ``CALL_SECONDS`` (all the rest
-    here); a stream's calls stay at ``CHAIN_BATCH`` rounds. The tokens are plain decoding's."""
+    call runs ``CHAIN_BATCH`` rounds and the next as many as fit in ``CALL_SECONDS`` (the rest
+    of these 40 tokens, unless a loaded machine's first rounds ran over 10 ms each); a stream's
+    calls stay at ``CHAIN_BATCH`` rounds. The tokens are plain decoding's."""
     from staged_engine.spec import decoders
 
     oracle, draft = (load_model(d) for d in pair)
@@ -131,7 +132,7 @@ def test_a_whole_generation_runs_its_chain_in_calls_as_long_as_plain_steps(pair,
             got[whole], _ = _run(_make(SpeculativeDecoder, oracle, draft, params, 1, whole=whole), prompt, 40)
             calls = list(rounds)
             if whole:
-                assert len(calls) == 2 and calls[0] == decoders.CHAIN_BATCH and calls[1] > decoders.CHAIN_BATCH
+                assert calls[0] == decoders.CHAIN_BATCH and max(calls) > decoders.CHAIN_BATCH
             else:
                 assert len(calls) > 2 and max(calls) == decoders.CHAIN_BATCH
         sampling = SamplingConfig.make(params, oracle.config.vocab_size)

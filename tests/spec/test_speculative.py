@@ -60,7 +60,6 @@ def test_greedy_identity(engine, strategy, opts):
     assert calls < 6 * 48  # speculation accepted something
 
 
-
 def test_decode_forward_seconds(engine):
     """``oracle_decode_seconds`` and ``draft_decode_seconds`` are the two models' forward time
     after the prompt's passes: plain decoding runs no draft, and the prompt's prefill (all of
@@ -74,6 +73,7 @@ def test_decode_forward_seconds(engine):
     assert chain["draft_calls"] > 0 and chain["draft_decode_seconds"] > 0.0
     decode = chain["oracle_decode_seconds"] + chain["draft_decode_seconds"]
     assert 0.0 < decode < chain["forward_seconds"] and decode <= chain["decode_seconds"]
+
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 50, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9), (0.7, 50, 0.9)])
 @pytest.mark.parametrize("strategy,opts", [SHAPES[0], SHAPES[3], SHAPES[5], SHAPES[6], *SHAPES[8:]])
