@@ -16,6 +16,9 @@ Plots, each skipped with a note when its input file is missing:
   temperature.png             tokens/s against sampling temperature for plain decoding, the best
                               fixed chain and the planned staged default (temperature.json;
                               temperature_avx2.png from temperature_avx2.json)
+  round_cost.png              what a round of a fixed chain of 1-4 drafted tokens costs in plain
+                              steps (the draft's passes, the oracle's pass, the rest) beside the
+                              tokens it emits, one panel per mode (sweep_<mode>.json)
 
 Needs matplotlib, a benchmark-only extra: `pip install matplotlib` (or `pip install -e .[bench]`).
 """
@@ -216,6 +219,54 @@ def plot_temperature(plt, r: dict, path: str) -> str | None:
     return path
 
 
+ROUND_COST_MODES = ("greedy", "topp", "sampled")
+MODE_TITLES = {"greedy": "greedy", "topp": "T 0.8, top-p 0.95", "sampled": "T 1, top-k 50"}
+
+
+def plot_round_cost(plt, sweeps: list[dict], path: str) -> str | None:
+    """Per mode, what a round of a fixed chain of 1-4 drafted tokens costs in plain steps (the
+    draft's passes, the oracle's pass, the rest, stacked) beside the tokens it emits: a chain
+    pays where its tokens stand above its bar (a plain step is one of each)."""
+    panels = []
+    for r in sweeps:
+        rows = sorted((x for x in r.get("rows", []) if x["strategy"] == "chain" and not x["planned"]
+                       and "round_plain_steps" in x and x["options"]["chain_length"] <= 4),
+                      key=lambda x: x["options"]["chain_length"])
+        if rows:
+            panels.append((r, rows))
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 0.6, 4.2), sharey=True, squeeze=False)
+    for ax, (r, rows) in zip(axes[0], panels):
+        ks = [x["options"]["chain_length"] for x in rows]
+        draft = [x["draft_plain_steps"] for x in rows]
+        oracle = [x["oracle_pass_plain_steps"] for x in rows]
+        rest = [max(0.0, x["round_plain_steps"] - d - o) for x, d, o in zip(rows, draft, oracle)]
+        ax.bar(ks, oracle, color="#4C72B0", label="oracle pass")
+        ax.bar(ks, draft, bottom=oracle, color="#DD8452", label="draft passes")
+        ax.bar(ks, rest, bottom=[a + b for a, b in zip(oracle, draft)], color="#BBBBBB", label="rest")
+        ax.plot(ks, [x["tokens_per_oracle_call"] for x in rows], "D", color="black", label="tokens a round")
+        for k, x in zip(ks, rows):
+            top = max(x["round_plain_steps"], x["tokens_per_oracle_call"])
+            ax.annotate(f"{x['speedup_vs_plain']:.2f}x", (k, top), textcoords="offset points", xytext=(0, 7),
+                        ha="center", fontsize=7)
+        ax.axhline(1.0, color="#4C72B0", lw=0.8, ls=":", label="a plain step (one token)")
+        ax.set_xticks(ks)
+        ax.set_xlabel("drafted tokens a round (fixed chain)")
+        ax.set_title(MODE_TITLES.get(r.get("mode"), str(r.get("mode"))), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    top = max(max(x["round_plain_steps"], x["tokens_per_oracle_call"]) for _, rows in panels for x in rows)
+    axes[0][0].set_ylim(0, 1.12 * top)  # room for the labels above the tallest bar
+    axes[0][0].set_ylabel("plain steps (bars) / tokens (diamonds) a round")
+    axes[0][0].legend(loc="upper left", fontsize=7)
+    fig.suptitle(f"What a chain's round costs, labelled with its speed against plain decoding: "
+                 f"{_machine(panels[0][0])}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=RESULTS, metavar="DIR",
@@ -276,6 +327,10 @@ def main(argv=None) -> int:
             path = plot_temperature(plt, r, os.path.join(out, f"{stem}.png"))
             print(path if path else f"skipping {stem}.png: no rows in {t_path}")
             written += bool(path)
+    sweeps = [r for r in (_load(os.path.join(args.results, f"sweep_{m}.json")) for m in ROUND_COST_MODES) if r]
+    path = plot_round_cost(plt, sweeps, os.path.join(out, "round_cost.png"))
+    print(path if path else "skipping round_cost.png: no sweep with a round-cost split in " + args.results)
+    written += bool(path)
     if not written:
         print("no plots written")
     return 0

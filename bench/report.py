@@ -165,7 +165,9 @@ def section_round_cost(sweeps: list[dict], suffix: str = "") -> list[str]:
             "round's cost; the plain step's own pass is given as its share of the step. Sources: "
             f"{sources}.\n",
             "| mode | k | tokens a round | round, plain steps | draft passes | oracle pass | rest "
-            "| plain step's pass | vs plain |", "|---|---|---|---|---|---|---|---|---|", *lines, ""]
+            "| plain step's pass | vs plain |", "|---|---|---|---|---|---|---|---|---|", *lines, "",
+            *(_plot("round_cost.png", "a chain's round in plain steps beside the tokens it emits") if not suffix
+              else [])]
 
 
 def section_temperature(r: dict, source: str = "temperature.json", where: str = "") -> list[str]:

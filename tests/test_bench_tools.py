@@ -329,3 +329,26 @@ def test_the_round_cost_table_splits_a_chains_round_into_its_parts():
     assert table.count("| greedy |") == 1  # chain 5, the planned chain, a tree, chain 4 without the split
     assert "`bench/results/sweep_greedy.json`" in table
     assert report.section_round_cost([{"mode": "greedy", "rows": [chain(1)]}]) == []
+
+
+def test_the_round_cost_plot_is_drawn_from_sweeps_that_split_a_round(tmp_path):
+    """plots.py draws round_cost.png from the sweeps that recorded the split, and skips it, saying
+    so, when none did."""
+    pytest.importorskip("matplotlib")
+    plots = _bench_module("plots")
+    machine = {"cpu": "Test CPU", "cores": 2, "torch": "x", "torch_threads": 2}
+    split = dict(round_plain_steps=2.0, draft_plain_steps=0.25, oracle_pass_plain_steps=1.5, plain_pass_share=0.96)
+    rows = [{"strategy": "chain", "planned": False, "options": {"chain_length": k}, "label": f"chain {k}",
+             "tokens_per_oracle_call": 1.0 + 0.5 * k, "speedup_vs_plain": 0.9, **split} for k in (1, 2, 3)]
+    for mode, with_split in (("greedy", True), ("topp", False)):
+        data = {"machine": machine, "mode": mode,
+                "rows": rows if with_split else [{k: v for k, v in r.items() if k not in split} for r in rows]}
+        with open(tmp_path / f"sweep_{mode}.json", "w") as f:
+            json.dump(data, f)
+    assert plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")]) == 0
+    with open(tmp_path / "png" / "round_cost.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    os.remove(tmp_path / "sweep_greedy.json")
+    os.remove(tmp_path / "png" / "round_cost.png")
+    assert plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")]) == 0
+    assert not os.path.exists(tmp_path / "png" / "round_cost.png")
