@@ -151,3 +151,15 @@ def load_prompts(sets: list[str], limit: int | None) -> list[dict]:
         out.extend({"set": os.path.basename(name), "id": r.get("task_id", str(i)), "prompt": r["prompt"]}
                    for i, r in enumerate(rows[:limit]))
     return out
+
+
+ROUND_COST_CHAINS = (1, 2, 3, 4)  # the fixed chains whose rounds the sweep's round-cost split is shown for
+
+
+def chain_round_costs(sweep: dict) -> list[dict]:
+    """The rows of a sweep (bench/sweep.py) for the fixed chains of ``ROUND_COST_CHAINS`` drafted
+    tokens that carry the round-cost split (``round_plain_steps``: sweeps measured before it have
+    none), shortest chain first."""
+    rows = [x for x in sweep.get("rows", []) if x["strategy"] == "chain" and not x["planned"]
+            and "round_plain_steps" in x and x["options"]["chain_length"] in ROUND_COST_CHAINS]
+    return sorted(rows, key=lambda x: x["options"]["chain_length"])

@@ -29,6 +29,8 @@ import json
 import os
 import sys
 
+from common import chain_round_costs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 SYSTEM_ORDER = ("hf", "hf_assisted", "hf_lookup", "plain", "chain", "tree", "staged", "chain_1", "chain_2",
@@ -227,13 +229,7 @@ def plot_round_cost(plt, sweeps: list[dict], path: str) -> str | None:
     """Per mode, what a round of a fixed chain of 1-4 drafted tokens costs in plain steps (the
     draft's passes, the oracle's pass, the rest, stacked) beside the tokens it emits: a chain
     pays where its tokens stand above its bar (a plain step is one of each)."""
-    panels = []
-    for r in sweeps:
-        rows = sorted((x for x in r.get("rows", []) if x["strategy"] == "chain" and not x["planned"]
-                       and "round_plain_steps" in x and x["options"]["chain_length"] <= 4),
-                      key=lambda x: x["options"]["chain_length"])
-        if rows:
-            panels.append((r, rows))
+    panels = [(r, rows) for r in sweeps if (rows := chain_round_costs(r))]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 0.6, 4.2), sharey=True, squeeze=False)

@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from common import chain_round_costs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 README = os.path.join(os.path.dirname(HERE), "README.md")
@@ -134,20 +136,13 @@ def section_sweep(sweeps: list[dict], suffix: str = "", where: str = "") -> list
     return out
 
 
-ROUND_COST_CHAINS = (1, 2, 3, 4)  # the fixed chains whose rounds section_round_cost splits
-
-
 def section_round_cost(sweeps: list[dict], suffix: str = "") -> list[str]:
-    """What a round of each fixed chain of ``ROUND_COST_CHAINS`` costs in plain steps, and its
-    parts, from the sweeps that recorded them (``round_plain_steps``)."""
+    """What a round of each fixed chain of ``common.ROUND_COST_CHAINS`` costs in plain steps, and
+    its parts, from the sweeps that recorded them (``chain_round_costs``)."""
     lines = []
     for r in sweeps:
-        for x in r["rows"]:
-            if x["strategy"] != "chain" or x["planned"] or "round_plain_steps" not in x:
-                continue
+        for x in chain_round_costs(r):
             k = x["options"]["chain_length"]
-            if k not in ROUND_COST_CHAINS:
-                continue
             rest = x["round_plain_steps"] - x["draft_plain_steps"] - x["oracle_pass_plain_steps"]
             lines.append(f"| {r['mode']} | {k} | {x['tokens_per_oracle_call']:.2f} | {x['round_plain_steps']:.2f} | "
                          f"{x['draft_plain_steps']:.2f} | {x['oracle_pass_plain_steps']:.2f} | {rest:.2f} | "

@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 
-from common import load_prompts, machine, progress_bar, save
+from common import chain_round_costs, load_prompts, machine, progress_bar, save
 from e2e import SAMPLED_MODES
 
 
@@ -130,11 +130,10 @@ def main(argv=None) -> int:
         b, d = best[s], planned[s]
         print(f"{s}: planned {d['speedup_vs_plain']:.2f}x plain; best fixed {b['label']} "
               f"{b['speedup_vs_plain']:.2f}x; planned / best fixed {d['tokens_per_s'] / b['tokens_per_s']:.2f}")
-    for r in rows:
-        if r["strategy"] == "chain" and not r["planned"] and r["options"]["chain_length"] <= 4:
-            print(f"{r['label']}: {r['tokens_per_oracle_call']:.2f} tokens a round, a round "
-                  f"{r['round_plain_steps']:.2f} plain steps (draft {r['draft_plain_steps']:.2f}, oracle pass "
-                  f"{r['oracle_pass_plain_steps']:.2f}; a plain step's pass {r['plain_pass_share']:.2f})")
+    for r in chain_round_costs(out):
+        print(f"{r['label']}: {r['tokens_per_oracle_call']:.2f} tokens a round, a round "
+              f"{r['round_plain_steps']:.2f} plain steps (draft {r['draft_plain_steps']:.2f}, oracle pass "
+              f"{r['oracle_pass_plain_steps']:.2f}; a plain step's pass {r['plain_pass_share']:.2f})")
     print(f"saved {path}")
     return 0
 
