@@ -40,6 +40,15 @@ CALL_SECONDS = 0.25
 CHAIN_BATCH = 4
 
 
+def fit_call(first: int, seconds_each: float | None) -> int:
+    """How many steps or rounds a native call may run where nobody reads the tokens before the
+    end: ``first`` the first time, then what the last call's ``seconds_each`` runs in
+    ``CALL_SECONDS`` (never fewer than ``first``)."""
+    if seconds_each is None:
+        return first
+    return max(first, int(CALL_SECONDS / max(seconds_each, 1e-9)))
+
+
 class RoundClock:
     """The wall time a planner charges a round. It runs from the end of the previous round: what
     the engine and the caller do between rounds is paid per round, so an arm with more rounds a
@@ -102,9 +111,7 @@ class Decoder:
     def call_steps(self, n: int) -> int:
         """Plain steps a call may run of ``n`` where nobody reads the tokens before the end:
         ``PLAIN_BATCH`` the first time, then what the last call's rate runs in ``CALL_SECONDS``."""
-        if self.step_seconds is None:
-            return min(n, PLAIN_BATCH)
-        return min(n, max(PLAIN_BATCH, int(CALL_SECONDS / max(self.step_seconds, 1e-9))))
+        return min(n, fit_call(PLAIN_BATCH, self.step_seconds))
 
     def plain_steps(self, n: int) -> list[int]:
         """Up to ``n`` oracle steps back to back (fewer at ``stop_token``): the tokens chosen.
@@ -190,9 +197,7 @@ class SpeculativeDecoder(Decoder):
         """Rounds a pinned chain's native call may run: ``CHAIN_BATCH`` for a stream's pieces and
         for the first call; where nobody reads the tokens before the end, then, what the last
         call's rate runs in ``CALL_SECONDS``."""
-        if not self.whole or self.round_seconds is None:
-            return CHAIN_BATCH
-        return max(CHAIN_BATCH, int(CALL_SECONDS / max(self.round_seconds, 1e-9)))
+        return fit_call(CHAIN_BATCH, self.round_seconds) if self.whole else CHAIN_BATCH
 
     def _drafted_seconds(self, emitted: int, remaining: int) -> float:
         """A drafted round's seconds on the clock plus its share of the last catch-up (``round``),
