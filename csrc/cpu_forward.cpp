@@ -312,8 +312,12 @@ inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float*
 // is the same FMA chain over k, so the bits are those of ``block``. Where the 512-bit widening is
 // the bottleneck (Zen 4 issues VCVTPH2PS zmm at half the rate of two ymm ones: one row streamed
 // fp16 weights at 95 GB/s a core in ymm against 56 in zmm) it is faster for the few rows whose
-// FMAs do not hide the widening; ``narrow_rows`` measures where. No software prefetch: at this
-// rate the hardware prefetchers keep up, and the prefetch instructions cost more than they saved
+// FMAs do not hide the widening; ``narrow_rows`` measures where. Blocks of three rows widen each
+// vector just before its FMAs (6 x 4 accumulators, 3 broadcasts and one weight vector: 28 of the
+// 32 registers, where holding all eight widened vectors would spill): the demo oracle's products
+// over three rows took 0.86-0.89x the time of the 512-bit block, its three-row passes 0.95x and
+// the draft's 0.93x (Zen 4, one process, alternating). No software prefetch: at this rate the
+// hardware prefetchers keep up, and the prefetch instructions cost more than they saved
 // (demo oracle, one row: 0.19-0.21 ms a pass without, 0.21-0.24 with 4 KB ahead, alternating).
 template <int NR, int NP>
 inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinear& L, const float* x, int64_t ldx,
@@ -324,11 +328,20 @@ inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinea
   const float* xr[NR];
   for (int r = 0; r < NR; ++r) xr[r] = x + (r0 + r) * ldx;
   for (int64_t k = 0; k < L.K; ++k, w += NP * kLanes) {
-    __m256 wv[2 * NP];
-    for (int j = 0; j < 2 * NP; ++j) wv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 8)));
-    for (int r = 0; r < NR; ++r) {
-      const __m256 xv = _mm256_set1_ps(xr[r][k]);
-      for (int j = 0; j < 2 * NP; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+    if constexpr (NR <= 2) {
+      __m256 wv[2 * NP];
+      for (int j = 0; j < 2 * NP; ++j) wv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 8)));
+      for (int r = 0; r < NR; ++r) {
+        const __m256 xv = _mm256_set1_ps(xr[r][k]);
+        for (int j = 0; j < 2 * NP; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], xv, acc[r][j]);
+      }
+    } else {
+      __m256 xv[NR];
+      for (int r = 0; r < NR; ++r) xv[r] = _mm256_set1_ps(xr[r][k]);
+      for (int j = 0; j < 2 * NP; ++j) {
+        const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * 8)));
+        for (int r = 0; r < NR; ++r) acc[r][j] = _mm256_fmadd_ps(wv, xv[r], acc[r][j]);
+      }
     }
   }
   vec joined[NR][NP];
@@ -617,7 +630,7 @@ void few_rows_groups(const PackedLinear& L, const W* (PackedLinear::*group)(int6
 }
 #endif
 
-// The most rows a float16 register block computes in 256-bit halves (block_narrow): 0-2, chosen
+// The most rows a float16 register block computes in 256-bit halves (block_narrow): 0-3, chosen
 // once per process by timing both forms on a panel group the L1 cache holds, or set by
 // ``set_narrow_rows``. The two give the same bits, so the choice changes speed only.
 std::atomic<int> g_narrow_rows{-1};
@@ -659,7 +672,8 @@ void block_rows(int rows, int narrow, int np, const W* w, int64_t ahead, const P
   if constexpr (std::is_same_v<W, uint16_t>) {
     if (rows <= narrow) {
       if (rows == 1) block_narrow_np<1>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep);
-      else block_narrow_np<2>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep);
+      else if (rows == 2) block_narrow_np<2>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep);
+      else block_narrow_np<3>(np, w, ahead, L, x, ldx, y, ldy, r0, p0, ep);
       return;
     }
   }
@@ -735,9 +749,9 @@ double fastest(F&& f) {
   return best;
 }
 
-// narrow_rows' measurement: one and two rows of a float16 panel group of K = 128 (16 KB, held by
-// L1), in 512-bit and in 256-bit form, alternately three times each. A form must be 5% faster to
-// be chosen, and two rows only in 256-bit halves when one row is. About a millisecond.
+// narrow_rows' measurement: one, two and three rows of a float16 panel group of K = 128 (16 KB,
+// held by L1), in 512-bit and in 256-bit form, alternately three times each. A form must be 5%
+// faster to be chosen, and n rows only in 256-bit halves when n - 1 rows are. About a millisecond.
 int probe_narrow_rows() {
 #if defined(__AVX512F__)
   PackedLinear L;
@@ -748,7 +762,7 @@ int probe_narrow_rows() {
   L.half = true;
   L.wh.resize(L.panels * L.K * kLanes);
   for (size_t i = 0; i < L.wh.size(); ++i) L.wh[i] = c10::Half(static_cast<float>(i % 97) * 0.01f - 0.5f).x;
-  std::vector<float> x(2 * L.K), y(2 * L.M);
+  std::vector<float> x(3 * L.K), y(3 * L.M);  // up to three rows
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 13) * 0.1f;
   // Whether NR rows run 5% faster in 256-bit halves: both forms alternately, the best of three.
   auto narrow_wins = [&](auto rows) {
@@ -761,7 +775,8 @@ int probe_narrow_rows() {
     return narrow < 0.95 * wide;
   };
   if (!narrow_wins(std::integral_constant<int, 1>{})) return 0;
-  return narrow_wins(std::integral_constant<int, 2>{}) ? 2 : 1;
+  if (!narrow_wins(std::integral_constant<int, 2>{})) return 1;
+  return narrow_wins(std::integral_constant<int, 3>{}) ? 3 : 2;
 #else
   return 0;  // 256-bit vectors already
 #endif
@@ -781,10 +796,10 @@ int narrow_rows() {
   return probed;
 }
 
-// Pins the choice (0-2 rows; 0: every block 512-bit wide), or with -1 returns to the probed one.
+// Pins the choice (0-3 rows; 0: every block 512-bit wide), or with -1 returns to the probed one.
 // For the tests and benches that compare the two forms: results are the same bits either way.
 int set_narrow_rows(int n) {
-  SE_CHECK(n >= -1 && n <= 2, "narrow_rows must be -1 (probe) or 0-2, got ", n);
+  SE_CHECK(n >= -1 && n <= 3, "narrow_rows must be -1 (probe) or 0-3, got ", n);
 #if !defined(__AVX512F__)
   if (n > 0) n = 0;  // no wider form to leave
 #endif
@@ -2037,10 +2052,10 @@ void register_native_forward(py::module& m) {
         "advise buffers allocated from now on as huge pages (True, the default) or not; returns the setting",
         py::arg("on"));
   m.def("narrow_rows", &narrow_rows,
-        "the most rows a float16 register block computes in 256-bit halves (0-2; probed once per process): "
+        "the most rows a float16 register block computes in 256-bit halves (0-3; probed once per process): "
         "the same bits as 512-bit blocks, faster where 512-bit widening is slow");
   m.def("set_narrow_rows", &set_narrow_rows,
-        "pin narrow_rows to 0-2, or -1 for the probed choice; returns the value in force", py::arg("n"));
+        "pin narrow_rows to 0-3, or -1 for the probed choice; returns the value in force", py::arg("n"));
   m.def("group_runs", &group_runs,
         "whether blocks of one to three rows take several panel groups at once (AVX2 builds; the same bits as one "
         "group a block): 'auto' (each model chooses from its passes' clock), 'on' or 'off'; always 'off' in "

@@ -188,7 +188,7 @@ def test_each_thread_split_gives_the_single_threads_bits(head64, wide80, shape, 
         torch.set_num_threads(saved)
 
 
-@pytest.fixture(params=[0, 1, 2, "one_group"], ids=lambda n: f"narrow{n}" if isinstance(n, int) else n)
+@pytest.fixture(params=[0, 1, 2, 3, "one_group"], ids=lambda n: f"narrow{n}" if isinstance(n, int) else n)
 def narrow(request):
     """Pins how many rows a float16 register block computes in 256-bit halves (``block_narrow``,
     AVX-512 builds; the probe's choice otherwise), and restores the probe's choice afterwards.
@@ -213,9 +213,9 @@ def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, na
     """Chains of 2-40 rows cover every row-block split (one block of up to 6 rows, uneven blocks
     such as 3 + 4, many blocks) over fp16 weights widened in registers and over fp32 weights:
     each row's logits and K/V are the bits of one-token decoding on 2 threads, and within 1e-5
-    of stock torch. With one or two rows in 256-bit halves (``narrow``), the one-token pass and
-    the two-row chain take the narrow blocks and the longer chains the 512-bit ones, so their
-    bits must agree across the two forms; so must blocks of one to three rows over several panel
+    of stock torch. With one to three rows in 256-bit halves (``narrow``), the one-token pass and
+    the chains of two and three rows (and the 3 of 3 + 4) take the narrow blocks and the rest the
+    512-bit ones, so their bits must agree across the two forms; so must blocks of one to three rows over several panel
     groups at once (AVX2 builds) and over one (``one_group``)."""
     model = load_model(head64 if name == "head64" else checkpoints[name])
     if weights == "fp16-exact":
@@ -238,7 +238,7 @@ def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, na
             one = ModelRunner(model, TorchBackend(native=True))
             one.prefill(prompt)
             seq = torch.stack([one.step(t) for t in new])  # (40, V), one row a pass
-            for rows in (2, 5, 6, 7, 8, 13, 40):
+            for rows in (2, 3, 5, 6, 7, 8, 13, 40):
                 many = ModelRunner(model, TorchBackend(native=True))
                 many.prefill(prompt)
                 got = many.forward_nodes(new[:rows], list(range(9, 9 + rows)), None)
@@ -773,16 +773,17 @@ def test_wide_rows_refuses_what_is_not_a_row_count(bad):
 
 
 def test_the_block_form_is_probed_once_and_can_be_pinned():
-    """``narrow_rows`` is the probe's choice (0-2; 0 on 256-bit builds, which have no wider
-    form); ``set_narrow_rows`` pins 0-2, returns to the probe with -1, and refuses the rest."""
+    """``narrow_rows`` is the probe's choice (0-3; 0 on 256-bit builds, which have no wider
+    form); ``set_narrow_rows`` pins 0-3, returns to the probe with -1, and refuses the rest."""
     probed = _cpu.narrow_rows()
-    assert probed in (0, 1, 2)
+    assert probed in (0, 1, 2, 3)
     avx512 = "avx512f" in open("/proc/cpuinfo").read().split()
     try:
+        assert _cpu.set_narrow_rows(3) == (3 if avx512 else 0)
+        assert _cpu.narrow_rows() == (3 if avx512 else 0)
         assert _cpu.set_narrow_rows(2) == (2 if avx512 else 0)
-        assert _cpu.narrow_rows() == (2 if avx512 else 0)
         assert _cpu.set_narrow_rows(0) == 0
-        for bad in (3, -2):
+        for bad in (4, -2):
             with pytest.raises(ValueError, match="narrow_rows must be -1"):
                 _cpu.set_narrow_rows(bad)
     finally:
