@@ -215,8 +215,8 @@ def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, na
     each row's logits and K/V are the bits of one-token decoding on 2 threads, and within 1e-5
     of stock torch. With one to three rows in 256-bit halves (``narrow``), the one-token pass and
     the chains of two and three rows (and the 3 of 3 + 4) take the narrow blocks and the rest the
-    512-bit ones, so their bits must agree across the two forms; so must blocks of one to three rows over several panel
-    groups at once (AVX2 builds) and over one (``one_group``)."""
+    512-bit ones, so their bits must agree across the two forms; so must blocks of one to three
+    rows over several panel groups at once (AVX2 builds) and over one (``one_group``)."""
     model = load_model(head64 if name == "head64" else checkpoints[name])
     if weights == "fp16-exact":
         with torch.no_grad():
