@@ -316,8 +316,11 @@ inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float*
 // vector just before its FMAs (6 x 4 accumulators, 3 broadcasts and one weight vector: 28 of the
 // 32 registers, where holding all eight widened vectors would spill): the demo oracle's products
 // over three rows took 0.86-0.89x the time of the 512-bit block, its three-row passes 0.95x and
-// the draft's 0.93x (Zen 4, one process, alternating). No software prefetch: at this rate the
-// hardware prefetchers keep up, and the prefetch instructions cost more than they saved
+// the draft's 0.93x (Zen 4, one process, alternating). One and two rows keep the eight widened
+// vectors: with the three-row loop for every row count the demo oracle's one-row passes took
+// about 1.15x the time (Zen 4, the two builds alternating over 8 process pairs). No software
+// prefetch: at this rate the hardware prefetchers keep up, and the prefetch instructions cost
+// more than they saved
 // (demo oracle, one row: 0.19-0.21 ms a pass without, 0.21-0.24 with 4 KB ahead, alternating).
 template <int NR, int NP>
 inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinear& L, const float* x, int64_t ldx,
