@@ -256,6 +256,12 @@ def render() -> str:
                                  "--out roofline_avx2.json`)", r, "roofline_avx2.json")
         parts += _plot("roofline_avx2.png", "AVX2: share of the weight-streaming bound; N-node passes against the "
                                             "roofline")
+    r = _load("working_set.json")
+    if r:
+        parts += section_generic("What a pass's working set costs it: the context and the draft's passes "
+                                 "(`staged-engine bench working-set`)", r, "working_set.json")
+        parts += _plot("working_set.png", "read rate against the bytes read, with the oracle's passes; the oracle's "
+                                          "pass after the draft's")
     r = _load("linear_cpu.json")
     if r:
         parts += section_generic("The native linear kernel alone: what bounds an N-node pass "

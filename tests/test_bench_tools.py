@@ -140,6 +140,47 @@ def test_the_idle_gap_table_reports_each_gap_against_the_first():
     assert "| oracle | 600 us (1.00x) | 750 us (1.25x) |" in text and "Test CPU" in text
 
 
+@pytest.mark.parametrize("argv,needle", [(["--repeats", "1"], "--repeats must be >= 2"),
+                                         (["--contexts", "0"], "--contexts must be >= 1"),
+                                         (["--oracle", "/nonexistent"], "--oracle /nonexistent: no config.json")])
+def test_the_working_set_bench_refuses_bad_arguments_by_name(argv, needle):
+    working_set = _bench_module("working_set")
+    with pytest.raises((ValueError, FileNotFoundError), match=needle):
+        working_set.main(argv)
+
+
+def test_the_working_set_probe_sizes_reach_four_times_the_cache():
+    working_set = _bench_module("working_set")
+    mib = 1 << 20
+    sizes = working_set.probe_sizes(96 * mib)
+    assert sizes == sorted(set(sizes)) and sizes[0] == mib and sizes[-1] >= 4 * 96 * mib
+    assert 96 * mib in sizes and 80 * mib in sizes  # quarter steps around the cache's edge
+    assert working_set.probe_sizes(None)[-1] == 128 * mib
+
+
+def test_the_working_set_table_reads_the_probe_at_each_pass_working_set():
+    working_set = _bench_module("working_set")
+    mib = 1 << 20
+    curve = {str(16 * mib): 160.0, str(32 * mib): 40.0}
+    # 16 MiB * 2**0.5 lies halfway in log size: the rate halfway, 100 GB/s, and the bytes there take
+    # ws / rate; against a brute-force reading of the formula.
+    ws = int(16 * mib * 2 ** 0.5)
+    assert working_set.rate_at({k: v * 1e9 for k, v in curve.items()}, ws) == pytest.approx(100e9)
+    assert working_set.rate_at(curve, mib) == 160.0 and working_set.rate_at(curve, 64 * mib) == 40.0
+    ctx = {"oracle_pass_us": 300.0, "oracle_working_set_bytes": ws, "oracle_kv_bytes": 1, "draft_pass_us": 30.0,
+           "draft_working_set_bytes": 2e6,
+           "oracle_after_draft_us": {"after 1 draft pass": 330.0, "after 3 draft passes": 360.0},
+           "oracle_after_draft_ratio": {"after 1 draft pass": 1.1, "after 3 draft passes": 1.2}}
+    result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx512f"]}, "threads": 2, "rounds": 5,
+              "repeats": 60, "last_level_cache_bytes": 32 * mib, "read_rate_GBps": curve,
+              "passes": {"oracle": {"weight_bytes": 16.8e6}, "draft": {"weight_bytes": 1.8e6},
+                         "contexts": {"128": ctx}}}
+    text = working_set.table(result)
+    assert "last-level cache 32 MiB" in text and "| GB/s | 160 | 40 |" in text
+    row = f"| 128 | {ws / 1e6:.1f} MB | 100 GB/s | 300 us | {ws / 100e9 * 1e6:.0f} us | 2.0 MB | 30 us | 330 us (1.10x) | 360 us (1.20x) |"
+    assert row in text
+
+
 def _roofline_model(ms: float, widening_ms: float | None) -> dict:
     nodes = {}
     for n in (1, 2, 4, 8, 16, 32, 64):
