@@ -17,11 +17,13 @@ pass finds in the caches. This bench measures both on this machine, one run, sid
 - **the oracle's pass after the draft's**: the same oracle pass right after 1 and after 3 draft
   passes (as a chain round runs them) against the pass right after another oracle pass; the arms
   alternate within every repeat (their order flipped every repeat), so the machine's drift
-  cancels, and each figure is the median over ``--repeats`` repeats.
+  cancels, and each figure is the median over ``--repeats`` repeats. The contexts run one after
+  another, each for many passes, as a generation does (visiting them in turn, each pass would
+  find the caches holding another context's K/V, which no decoding does).
 
 Writes bench/results/working_set.json and bench/results/plots/working_set.png.
 
-    python bench/working_set.py [--contexts 64 128 256 512 1000] [--repeats 60] [--threads 2]
+    python bench/working_set.py [--contexts 64 128 256 512 1000] [--repeats 100] [--threads 2]
 """
 from __future__ import annotations
 
@@ -39,15 +41,11 @@ MIB = 1 << 20
 
 
 def last_level_cache_bytes() -> int | None:
-    """The last-level cache size the OS reports (None where it reports none)."""
-    for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
-        try:
-            size = os.sysconf(name)
-        except (ValueError, OSError):
-            continue
-        if size and size > 0:
-            return int(size)
-    return None
+    """The last-level cache size the OS reports (the engine's reading of sysfs), None where it
+    reports none."""
+    from staged_engine.model.backend import last_level_cache_bytes as llc
+
+    return llc() or None
 
 
 def probe_sizes(llc: int | None) -> list[int]:
@@ -120,7 +118,8 @@ def passes(oracle_dir: str, draft_dir: str, contexts: list[int], repeats: int, b
             for runner in (oracle, draft):
                 runner.reset()
                 runner.prefill(ids[:-1])
-                for _ in range(16):  # past the slow first passes after a prefill
+                for _ in range(64):  # past the slow first passes after a prefill (a context's
+                    # working set settles in the caches over a few passes)
                     one(runner, ids[-1], ctx)
             seconds: dict[str, list[float]] = {a: [] for a in arms}
             draft_alone: list[float] = []
@@ -250,7 +249,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", help="draft checkpoint directory (default: the demo draft)")
     ap.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS,
                     help=f"cached tokens below the timed pass (default {' '.join(map(str, CONTEXTS))})")
-    ap.add_argument("--repeats", type=int, default=60, help="repeats of every pass comparison (default 60)")
+    ap.add_argument("--repeats", type=int, default=100, help="repeats of every pass comparison (default 100)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the read-rate curve (default 5)")
     ap.add_argument("--threads", type=int, default=2, help="threads of the forward pass (default 2)")
     ap.add_argument("--out", default="working_set.json", help="file name under bench/results/")
