@@ -28,6 +28,7 @@ Writes bench/results/working_set.json and bench/results/plots/working_set.png.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -263,9 +264,16 @@ def main(argv=None) -> int:
 
     oracle = args.oracle or os.path.join(DEMO_DIR, "oracle")
     draft = args.draft or os.path.join(DEMO_DIR, "draft")
+    limit = None
     for flag, path in (("--oracle", oracle), ("--draft", draft)):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"{flag} {path}: no config.json there (a checkpoint directory was expected)")
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            n_positions = json.load(f).get("n_positions", 1024)
+        limit = n_positions if limit is None else min(limit, n_positions)
+    if max(args.contexts) + 1 > limit:  # before anything is measured
+        raise ValueError(f"--contexts must be at most {limit - 1} (the models' n_positions minus the new token), "
+                         f"got {max(args.contexts)}")
     torch.set_num_threads(args.threads)
     llc = last_level_cache_bytes()
     sizes = probe_sizes(llc)

@@ -142,6 +142,7 @@ def test_the_idle_gap_table_reports_each_gap_against_the_first():
 
 @pytest.mark.parametrize("argv,needle", [(["--repeats", "1"], "--repeats must be >= 2"),
                                          (["--contexts", "0"], "--contexts must be >= 1"),
+                                         (["--contexts", "64", "1024"], "--contexts must be at most 1023"),
                                          (["--oracle", "/nonexistent"], "--oracle /nonexistent: no config.json")])
 def test_the_working_set_bench_refuses_bad_arguments_by_name(argv, needle):
     working_set = _bench_module("working_set")
