@@ -4,7 +4,8 @@ A one-row decode pass reads the model's weights and, in every layer, the float32
 whole context. Where weights and K/V together fit the last-level cache, the pass streams them
 from it; past its size the read rate falls toward DRAM's, and a longer context costs more than
 its own bytes. A speculative round adds the draft's weights and cache to what the oracle's next
-pass finds in the caches. This bench measures both on this machine, one run, side by side:
+pass finds in the caches, and the oracle's to what the draft's next pass finds. This bench
+measures both on this machine, one run, side by side:
 
 - **the read rate against the bytes read**: the native probe (``_cpu.read_seconds``: a buffer
   read as a weight stream is read) over buffers of 1 MiB to at least 4x the last-level cache,
@@ -14,8 +15,10 @@ pass finds in the caches. This bench measures both on this machine, one run, sid
   pass timed by the native clock (``ModelRunner.forward_seconds``) after two back to back, the
   pending entry discarded after each; its working set is the packed weights plus the K/V it
   reads (2 x layers x (context + 1) x width x 4 bytes);
-- **the oracle's pass after the draft's**: the same oracle pass right after 1 and after 3 draft
-  passes (as a chain round runs them) against the pass right after another oracle pass; the arms
+- **each model's pass after the other's**: the same oracle pass right after 1 and after 3 draft
+  passes (as a chain round runs them) against the pass right after another oracle pass, and the
+  draft's pass right after the oracle's one-row and two-row pass (a chain round's, which the
+  next round's first draft pass follows) against the draft's pass right after its own; the arms
   alternate within every repeat (their order flipped every repeat), so the machine's drift
   cancels, and each figure is the median over ``--repeats`` repeats. The contexts run one after
   another, each for many passes, as a generation does (visiting them in turn, each pass would
@@ -104,14 +107,22 @@ def passes(oracle_dir: str, draft_dir: str, contexts: list[int], repeats: int, b
     vocab = min(r.model.config.vocab_size for r, _ in runners.values())
     g = torch.Generator().manual_seed(0)
 
-    def one(runner, token: int, position: int) -> float:
+    def one(runner, token: int, position: int, rows: int = 1) -> float:
+        """One pass over ``rows`` new tokens (a chain) below ``position``, discarded; its seconds."""
         before = runner.forward_seconds
-        runner.forward_nodes([token], [position], None)
+        if rows == 1:
+            runner.forward_nodes([token], [position], None)
+        else:
+            runner.forward_nodes([token] * rows, list(range(position, position + rows)),
+                                 torch.tril(torch.ones(rows, rows, dtype=torch.bool)))
         runner.discard()
         return runner.forward_seconds - before
 
     (oracle, o_bytes), (draft, d_bytes) = runners["oracle"], runners["draft"]
     arms = ["after oracle"] + [f"after {k} draft pass" + ("es" if k > 1 else "") for k in DRAFT_PASSES]
+    # The draft's pass right after the oracle's, over one row and over two (a chain round's pass
+    # over the root and the drafted token, which the next round's first draft pass follows).
+    draft_arms = [f"after the oracle's {n}-row pass" for n in (1, 2)]
     out = {}
     with torch.inference_mode():
         for ctx in contexts:
@@ -122,10 +133,17 @@ def passes(oracle_dir: str, draft_dir: str, contexts: list[int], repeats: int, b
                 for _ in range(64):  # past the slow first passes after a prefill (a context's
                     # working set settles in the caches over a few passes)
                     one(runner, ids[-1], ctx)
-            seconds: dict[str, list[float]] = {a: [] for a in arms}
+            seconds: dict[str, list[float]] = {a: [] for a in arms + draft_arms}
             draft_alone: list[float] = []
+            order = arms + draft_arms
             for rep in range(repeats):
-                for arm in (arms if rep % 2 == 0 else list(reversed(arms))):
+                for arm in (order if rep % 2 == 0 else list(reversed(order))):
+                    if arm in draft_arms:
+                        one(draft, ids[-1], ctx)
+                        one(draft, ids[-1], ctx)
+                        one(oracle, ids[-1], ctx, rows=int(arm.split("'s ")[1][0]))
+                        seconds[arm].append(one(draft, ids[-1], ctx))
+                        continue
                     one(oracle, ids[-1], ctx)
                     one(oracle, ids[-1], ctx)
                     k = 0 if arm == "after oracle" else int(arm.split()[1])
@@ -136,15 +154,17 @@ def passes(oracle_dir: str, draft_dir: str, contexts: list[int], repeats: int, b
                     seconds[arm].append(one(oracle, ids[-1], ctx))
                 bar.update(1)
             med = {a: statistics.median(s) for a, s in seconds.items()}
-            base = med["after oracle"]
+            base, d_base = med["after oracle"], statistics.median(draft_alone)
             out[str(ctx)] = {
                 "oracle_pass_us": base * 1e6,
                 "oracle_working_set_bytes": o_bytes + kv_bytes(oracle.model, ctx),
                 "oracle_kv_bytes": kv_bytes(oracle.model, ctx),
-                "draft_pass_us": statistics.median(draft_alone) * 1e6,
+                "draft_pass_us": d_base * 1e6,
                 "draft_working_set_bytes": d_bytes + kv_bytes(draft.model, ctx),
                 "oracle_after_draft_us": {a: med[a] * 1e6 for a in arms[1:]},
                 "oracle_after_draft_ratio": {a: med[a] / base for a in arms[1:]},
+                "draft_after_oracle_us": {a: med[a] * 1e6 for a in draft_arms},
+                "draft_after_oracle_ratio": {a: med[a] / d_base for a in draft_arms},
                 "oracle_pass_quartiles_us": {a: [q * 1e6 for q in statistics.quantiles(s, n=4)]
                                              for a, s in seconds.items()},
             }
@@ -181,15 +201,20 @@ def table(result: dict) -> str:
              "| MiB | " + " | ".join(f"{s / MIB:g}" for s in sizes) + " |", "|---|" + "---|" * len(sizes),
              "| GB/s | " + " | ".join(f"{curve[str(s)]:.0f}" for s in sizes) + " |", ""]
     p = result["passes"]
-    arms = list(next(iter(p["contexts"].values()))["oracle_after_draft_ratio"])
+    first = next(iter(p["contexts"].values()))
+    arms = list(first["oracle_after_draft_ratio"])
+    d_arms = list(first.get("draft_after_oracle_ratio", {}))  # none in the runs at c923e9c
     lines += [f"A one-row pass against the context (oracle {p['oracle']['weight_bytes'] / 1e6:.1f} MB and draft "
               f"{p['draft']['weight_bytes'] / 1e6:.1f} MB of packed weights, plus the float32 K/V the pass reads; "
               "native clock, medians of "
-              f"{result['repeats']} repeats), and the oracle's pass right after the draft's against the same pass "
-              "right after another oracle pass:", "",
+              f"{result['repeats']} repeats); the oracle's pass right after the draft's against the same pass "
+              "right after another oracle pass"
+              + ("; and the draft's pass right after the oracle's against the draft's right after its own" if d_arms
+                 else "") + ":", "",
               "| context | oracle working set | probe's rate there | oracle pass | its bytes at the probe's rate | "
-              "draft working set | draft pass | " + " | ".join(f"oracle pass {a}" for a in arms) + " |",
-              "|---|---|---|---|---|---|---|" + "---|" * len(arms)]
+              "draft working set | draft pass | " + " | ".join(f"oracle pass {a}" for a in arms)
+              + "".join(f" | draft pass {a}" for a in d_arms) + " |",
+              "|---|---|---|---|---|---|---|" + "---|" * (len(arms) + len(d_arms))]
     for ctx, r in p["contexts"].items():
         ws = r["oracle_working_set_bytes"]
         rate = rate_at({s: v * 1e9 for s, v in curve.items()}, ws)
@@ -197,7 +222,9 @@ def table(result: dict) -> str:
                      f"{ws / rate * 1e6:.0f} us | {r['draft_working_set_bytes'] / 1e6:.1f} MB | "
                      f"{r['draft_pass_us']:.0f} us | "
                      + " | ".join(f"{r['oracle_after_draft_us'][a]:.0f} us ({r['oracle_after_draft_ratio'][a]:.2f}x)"
-                                  for a in arms) + " |")
+                                  for a in arms)
+                     + "".join(f" | {r['draft_after_oracle_us'][a]:.0f} us ({r['draft_after_oracle_ratio'][a]:.2f}x)"
+                               for a in d_arms) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -224,18 +251,19 @@ def plot(result: dict, path: str) -> None:
     a.set_ylabel("GB/s")
     a.set_title("read rate against the bytes read")
     a.legend(fontsize=8)
-    arms = list(p["contexts"][ctxs[0]]["oracle_after_draft_ratio"])
+    first = p["contexts"][ctxs[0]]
+    arms = [("oracle_after_draft_ratio", a, f"oracle {a}") for a in first["oracle_after_draft_ratio"]]
+    arms += [("draft_after_oracle_ratio", a, f"draft {a}") for a in first.get("draft_after_oracle_ratio", {})]
     width = 0.8 / len(arms)
-    for j, arm in enumerate(arms):
+    for j, (key, arm, label) in enumerate(arms):
         b.bar([i + (j - (len(arms) - 1) / 2) * width for i in range(len(ctxs))],
-              [p["contexts"][c]["oracle_after_draft_ratio"][arm] for c in ctxs], width=width,
-              label=arm)
+              [p["contexts"][c][key][arm] for c in ctxs], width=width, label=label)
     b.axhline(1.0, color="gray", lw=0.8, ls="--")
     b.set_xticks(range(len(ctxs)), ctxs)
     b.set_xlabel("context, tokens")
-    b.set_ylabel("oracle pass / the same pass after an oracle pass")
-    b.set_title("the oracle's pass after the draft's")
-    b.set_ylim(bottom=min(0.9, *(p["contexts"][c]["oracle_after_draft_ratio"][a] for c in ctxs for a in arms)))
+    b.set_ylabel("a pass / the same pass after its own model's")
+    b.set_title("each model's pass after the other's")
+    b.set_ylim(bottom=min(0.9, *(p["contexts"][c][key][a] for c in ctxs for key, a, _ in arms)))
     b.legend(fontsize=8)
     fig.suptitle(f"{result['machine']['cpu']} ({result['machine'].get('isa', '')}), {result['threads']} threads",
                  fontsize=9)

@@ -171,15 +171,20 @@ def test_the_working_set_table_reads_the_probe_at_each_pass_working_set():
     ctx = {"oracle_pass_us": 300.0, "oracle_working_set_bytes": ws, "oracle_kv_bytes": 1, "draft_pass_us": 30.0,
            "draft_working_set_bytes": 2e6,
            "oracle_after_draft_us": {"after 1 draft pass": 330.0, "after 3 draft passes": 360.0},
-           "oracle_after_draft_ratio": {"after 1 draft pass": 1.1, "after 3 draft passes": 1.2}}
+           "oracle_after_draft_ratio": {"after 1 draft pass": 1.1, "after 3 draft passes": 1.2},
+           "draft_after_oracle_us": {"after the oracle's 2-row pass": 45.0},
+           "draft_after_oracle_ratio": {"after the oracle's 2-row pass": 1.5}}
     result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx512f"]}, "threads": 2, "rounds": 5,
               "repeats": 60, "last_level_cache_bytes": 32 * mib, "read_rate_GBps": curve,
               "passes": {"oracle": {"weight_bytes": 16.8e6}, "draft": {"weight_bytes": 1.8e6},
                          "contexts": {"128": ctx}}}
     text = working_set.table(result)
     assert "last-level cache 32 MiB" in text and "| GB/s | 160 | 40 |" in text
-    row = f"| 128 | {ws / 1e6:.1f} MB | 100 GB/s | 300 us | {ws / 100e9 * 1e6:.0f} us | 2.0 MB | 30 us | 330 us (1.10x) | 360 us (1.20x) |"
-    assert row in text
+    row = (f"| 128 | {ws / 1e6:.1f} MB | 100 GB/s | 300 us | {ws / 100e9 * 1e6:.0f} us | 2.0 MB | 30 us | "
+           "330 us (1.10x) | 360 us (1.20x) | 45 us (1.50x) |")
+    assert row in text and "| draft pass after the oracle's 2-row pass |" in text
+    del ctx["draft_after_oracle_us"], ctx["draft_after_oracle_ratio"]  # a run from before those columns
+    assert "| 330 us (1.10x) | 360 us (1.20x) |\n" in working_set.table(result)
 
 
 def _roofline_model(ms: float, widening_ms: float | None) -> dict:
