@@ -263,8 +263,9 @@ def plot(result: dict, path: str) -> None:
     b.set_xlabel("context, tokens")
     b.set_ylabel("a pass / the same pass after its own model's")
     b.set_title("each model's pass after the other's")
-    b.set_ylim(bottom=min(0.9, *(p["contexts"][c][key][a] for c in ctxs for key, a, _ in arms)))
-    b.legend(fontsize=8)
+    ratios = [p["contexts"][c][key][a] for c in ctxs for key, a, _ in arms]
+    b.set_ylim(min(0.9, *ratios), max(ratios) + 0.12)  # room above the bars for the legend
+    b.legend(fontsize=7, ncol=2, loc="upper left")
     fig.suptitle(f"{result['machine']['cpu']} ({result['machine'].get('isa', '')}), {result['threads']} threads",
                  fontsize=9)
     fig.tight_layout()
