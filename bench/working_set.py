@@ -14,7 +14,9 @@ measures both on this machine, one run, side by side:
   ``--draft``, default the demo pair) over one new token below ``--contexts`` cached tokens, the
   pass timed by the native clock (``ModelRunner.forward_seconds``) after two back to back, the
   pending entry discarded after each; its working set is the packed weights plus the K/V it
-  reads (2 x layers x (context + 1) x width x 4 bytes);
+  reads (2 x layers x (context + 1) x width x 4 bytes). The draft sees the oracle's whole context
+  here; in the engine a catch-up over more than ``draft_window`` tokens (64 by default) restarts
+  its cache from the last of them, so its context there is often shorter;
 - **each model's pass after the other's**: the same oracle pass right after 1 and after 3 draft
   passes (as a chain round runs them) against the pass right after another oracle pass, and the
   draft's pass right after the oracle's one-row and two-row pass (a chain round's, which the
