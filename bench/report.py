@@ -258,10 +258,10 @@ def render() -> str:
                                             "roofline")
     r = _load("working_set.json")
     if r:
-        parts += section_generic("What a pass's working set costs it: the context and the draft's passes "
+        parts += section_generic("What a pass's working set costs it: the context and the other model's passes "
                                  "(`staged-engine bench working-set`)", r, "working_set.json")
-        parts += _plot("working_set.png", "read rate against the bytes read, with the oracle's passes; the oracle's "
-                                          "pass after the draft's")
+        parts += _plot("working_set.png", "read rate against the bytes read, with the oracle's passes; each model's "
+                                          "pass after the other's")
     r = _load("linear_cpu.json")
     if r:
         parts += section_generic("The native linear kernel alone: what bounds an N-node pass "
