@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
 
 import torch
 from common import machine, plot_path, progress, progress_bar, publish
+from roofline import read_bandwidth
 
 CONTEXTS = [64, 128, 256, 512, 1000]
 DRAFT_PASSES = [1, 3]  # draft passes between two oracle passes, against none
@@ -68,14 +70,13 @@ def probe_sizes(llc: int | None) -> list[int]:
 
 
 def read_curve(sizes: list[int], rounds: int, bar) -> dict[int, float]:
-    """Median read rate (bytes/s) of each size over ``rounds`` rounds, each round the median of
-    7 reads after one warm-up; the order of the sizes flips every round."""
-    from staged_engine import _cpu
-
+    """Median read rate (bytes/s) of each size over ``rounds`` rounds, each round the roofline
+    bench's probe (``read_bandwidth``: the median of 7 reads after one warm-up); the order of the
+    sizes flips every round."""
     rates: dict[int, list[float]] = {s: [] for s in sizes}
     for k in range(rounds):
         for s in (sizes if k % 2 == 0 else list(reversed(sizes))):
-            rates[s].append(s / statistics.median(_cpu.read_seconds(s, 8)[1:]))
+            rates[s].append(read_bandwidth(s))
         bar.update(1)
     return {s: statistics.median(r) for s, r in rates.items()}
 
@@ -87,8 +88,9 @@ def kv_bytes(model, context: int) -> int:
 
 
 def passes(oracle_dir: str, draft_dir: str, contexts: list[int], repeats: int, bar) -> dict:
-    """Per context: the oracle's and the draft's one-row pass back to back, and the oracle's
-    after 1 and 3 draft passes (seconds, medians over ``repeats``)."""
+    """Per context (each below both models' n_positions: ``main`` checks): the oracle's and the
+    draft's one-row pass back to back, the oracle's after 1 and 3 draft passes and the draft's
+    after the oracle's one- and two-row pass (seconds, medians over ``repeats``)."""
     from staged_engine.model.backend import TorchBackend
     from staged_engine.model.checkpoint import load_model
     from staged_engine.model.runner import ModelRunner
@@ -102,10 +104,6 @@ def passes(oracle_dir: str, draft_dir: str, contexts: list[int], repeats: int, b
             raise RuntimeError(f"--{role} {path}: the native decode path does not take this checkpoint here; "
                                "this bench times the native pass")
         runners[role] = (ModelRunner(model, backend), native.weight_bytes)
-    limit = min(r.model.config.n_positions for r, _ in runners.values())
-    if max(contexts) + 1 > limit:
-        raise ValueError(f"--contexts must be at most {limit - 1} (the models' n_positions minus the new token), "
-                         f"got {max(contexts)}")
     vocab = min(r.model.config.vocab_size for r, _ in runners.values())
     g = torch.Generator().manual_seed(0)
 
@@ -177,8 +175,6 @@ def passes(oracle_dir: str, draft_dir: str, contexts: list[int], repeats: int, b
 
 def rate_at(curve: dict[str, float], nbytes: int) -> float:
     """The probe's read rate at ``nbytes``, interpolated in log size between its two neighbours."""
-    import math
-
     pts = sorted((int(s), r) for s, r in curve.items())
     if nbytes <= pts[0][0]:
         return pts[0][1]
