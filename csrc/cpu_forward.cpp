@@ -885,12 +885,13 @@ int set_kv_ahead(int slots) {
   return kv_ahead();
 }
 
-// Prefetches rows [s, s + n) of a head's cache stream, D floats each, stride ks.
-template <int Hint>
-inline void prefetch_rows(const float* base, int64_t s, int64_t n, int64_t ks, int64_t D) {
+// Prefetches rows [s, s + n) of a head's cache stream, D entries each (T: float or float16 bits),
+// stride ks.
+template <int Hint, typename T>
+inline void prefetch_rows(const T* base, int64_t s, int64_t n, int64_t ks, int64_t D) {
   for (int64_t r = 0; r < n; ++r) {
     const char* row = reinterpret_cast<const char*>(base + (s + r) * ks);
-    for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(float)); o += 64)
+    for (int64_t o = 0; o < D * static_cast<int64_t>(sizeof(T)); o += 64)
       _mm_prefetch(row + o, static_cast<_mm_hint>(Hint));
   }
 }
@@ -906,7 +907,8 @@ inline void prefetch_rows(const float* base, int64_t s, int64_t n, int64_t ks, i
 // (values) of the list index, so the pairing and grouping match the per-query continuation.
 // The score loops' prefetch, at the group of four committed slots from s0: the K rows ``ahead``
 // slots on into L1 and the same V rows into L2 for the value pass that follows (0: none).
-inline void prefetch_group(const float* kbase, const float* vbase, int64_t s0, int64_t ahead, int64_t common,
+template <typename T>
+inline void prefetch_group(const T* kbase, const T* vbase, int64_t s0, int64_t ahead, int64_t common,
                            int64_t ks, int64_t D) {
   if (ahead && s0 + ahead < common) {
     const int64_t n = std::min<int64_t>(4, common - s0 - ahead);
@@ -926,16 +928,17 @@ struct HeadQuery {
   int64_t slot(int64_t s) const { return s < common ? s : pending[s - common]; }
 };
 
-inline void score4(const float* qi, const float* const* kr, int64_t D, float sc, float* dst, int64_t cnt) {
+template <typename T>
+inline void score4(const float* qi, const T* const* kr, int64_t D, float sc, float* dst, int64_t cnt) {
   vec acc[4] = {vzero(), vzero(), vzero(), vzero()};
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
     const vec qv = vload(qi + d);
-    for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, vload(kr[u] + d), acc[u]);
+    for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, kv_load(kr[u] + d), acc[u]);
   }
   if (d < D) {
     const vec qv = vload_tail(qi + d, D - d);
-    for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, vload_tail(kr[u] + d, D - d), acc[u]);
+    for (int u = 0; u < 4; ++u) acc[u] = vfma(qv, kv_load_tail(kr[u] + d, D - d), acc[u]);
   }
   alignas(16) float four[4];
   _mm_store_ps(four, _mm_mul_ps(vsum4(acc[0], acc[1], acc[2], acc[3]), _mm_set1_ps(sc)));
@@ -948,12 +951,12 @@ inline void score4(const float* qi, const float* const* kr, int64_t D, float sc,
 // there). With the tail test left to run time, GCC kept the accumulators on the stack: each FMA
 // stored its sum and the next read it back, a store-to-load round trip per FMA on the chain. On a
 // Zen 4 (AMD EPYC, AVX-512) that made a 64-wide head's value pass ~15% slower over 256 cached slots.
-template <int C, int QN, bool Full>
-void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_t ks, int64_t d0, int64_t Dc) {
+template <int C, int QN, bool Full, typename T>
+void head_values_group(HeadQuery* qs, int64_t common, const T* vbase, int64_t ks, int64_t d0, int64_t Dc) {
   const int64_t tail = Dc - (C - 1) * kLanes;
   vbase += d0;
-  auto vrow = [&](const float* v, int c) {
-    return (Full || c < C - 1) ? vload(v + c * kLanes) : vload_tail(v + c * kLanes, tail);
+  auto vrow = [&](const T* v, int c) {
+    return (Full || c < C - 1) ? kv_load(v + c * kLanes) : kv_load_tail(v + c * kLanes, tail);
   };
   const int64_t shared = common - common % 2;
   vec even[QN][C], odd[QN][C];
@@ -962,8 +965,8 @@ void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) even[u][c] = odd[u][c] = vzero();
   for (int64_t s = 0; s < shared; s += 2) {
-    const float* v0 = vbase + s * ks;
-    const float* v1 = v0 + ks;
+    const T* v0 = vbase + s * ks;
+    const T* v1 = v0 + ks;
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
       const vec a = vrow(v0, c), b = vrow(v1, c);
@@ -979,8 +982,8 @@ void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_
     HeadQuery& hq = qs[u];
     int64_t s = shared;
     for (; s + 1 < hq.n; s += 2) {
-      const float* v0 = vbase + hq.slot(s) * ks;
-      const float* v1 = vbase + hq.slot(s + 1) * ks;
+      const T* v0 = vbase + hq.slot(s) * ks;
+      const T* v1 = vbase + hq.slot(s + 1) * ks;
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) {
         even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
@@ -988,7 +991,7 @@ void head_values_group(HeadQuery* qs, int64_t common, const float* vbase, int64_
       }
     }
     if (s < hq.n) {
-      const float* v0 = vbase + hq.slot(s) * ks;
+      const T* v0 = vbase + hq.slot(s) * ks;
 #pragma GCC unroll 8
       for (int c = 0; c < C; ++c) even[u][c] = vfma(vset1(hq.p[s]), vrow(v0, c), even[u][c]);
     }
@@ -1015,8 +1018,8 @@ constexpr int kValueVecs = kLanes == 16 ? 4 : 2;
 // the AVX2 build takes 2 chunks for one query and 4 for a pair. (Before, the AVX2 build sent any
 // head wider than 4 vectors, GPT-2's 64 among them, to a loop with one FMA chain per 8 columns:
 // at a few hundred cached tokens that loop took as long as the layer's weights.)
-template <int QN>
-void head_values_cols(HeadQuery* qs, int64_t common, const float* vbase, int64_t ks, int64_t D) {
+template <int QN, typename T>
+void head_values_cols(HeadQuery* qs, int64_t common, const T* vbase, int64_t ks, int64_t D) {
   const int64_t width = (QN == 1 ? 4 : kValueVecs) * kLanes;
   for (int64_t d0 = 0; d0 < D; d0 += width) {
     const int64_t Dc = std::min(width, D - d0);
@@ -1036,7 +1039,8 @@ void head_values_cols(HeadQuery* qs, int64_t common, const float* vbase, int64_t
 
 // Values of every query, two at a time: each V row of the shared part is loaded once per pair
 // (and chunk of columns).
-void head_values(HeadQuery* qs, int64_t nq, int64_t common, const float* vbase, int64_t ks, int64_t D) {
+template <typename T>
+void head_values(HeadQuery* qs, int64_t nq, int64_t common, const T* vbase, int64_t ks, int64_t D) {
   int64_t q = 0;
   for (; q + 2 <= nq; q += 2) head_values_cols<2>(qs + q, common, vbase, ks, D);
   if (q < nq) head_values_cols<1>(qs + q, common, vbase, ks, D);
@@ -1053,8 +1057,8 @@ constexpr int kVecRegs = kLanes == 16 ? 32 : 16;
 // columns a pair, 64 alone), else once a group from L1: holding a pair's 64 columns in AVX2's 16
 // registers, GCC spilled an accumulator instead, a store-to-load round trip per FMA on its chain.
 // Prefetches ``ahead`` slots on in the K and V streams (0: none).
-template <int NV, bool Tail, int QN>
-void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const float* kbase, const float* vbase, int64_t ks,
+template <int NV, bool Tail, int QN, typename T>
+void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const T* kbase, const T* vbase, int64_t ks,
                    int64_t D, int64_t tail, float sc, int64_t ahead) {
   constexpr bool hold = QN * NV + 4 * QN + 2 <= kVecRegs;
   auto qload = [&](int u, int c) {
@@ -1070,7 +1074,7 @@ void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const float* k
   const __m128 vsc = _mm_set1_ps(sc);
   for (int64_t s0 = 0; s0 < shared; s0 += 4) {
     prefetch_group(kbase, vbase, s0, ahead, common, ks, D);
-    const float* k0 = kbase + s0 * ks;
+    const T* k0 = kbase + s0 * ks;
     vec acc[QN][4];
 #pragma GCC unroll 8
     for (int u = 0; u < QN; ++u)
@@ -1083,8 +1087,8 @@ void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const float* k
       for (int u = 0; u < QN; ++u) qc[u] = hold ? qv[u][hold ? c : 0] : qload(u, c);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        const float* kr = k0 + j * ks + c * kLanes;
-        const vec kv = (Tail && c == NV - 1) ? vload_tail(kr, tail) : vload(kr);
+        const T* kr = k0 + j * ks + c * kLanes;
+        const vec kv = (Tail && c == NV - 1) ? kv_load_tail(kr, tail) : kv_load(kr);
 #pragma GCC unroll 8
         for (int u = 0; u < QN; ++u) acc[u][j] = vfma(qc[u], kv, acc[u][j]);
       }
@@ -1096,9 +1100,9 @@ void scores_shared(HeadQuery* qs, int64_t shared, int64_t common, const float* k
 }
 
 // scores_shared for every query, a pair at a time; the first pair prefetches for the rest.
-template <int NV, bool Tail>
-void scores_shared_all(HeadQuery* qs, int64_t nq, int64_t shared, int64_t common, const float* kbase,
-                       const float* vbase, int64_t ks, int64_t D, int64_t tail, float sc, int64_t ahead) {
+template <int NV, bool Tail, typename T>
+void scores_shared_all(HeadQuery* qs, int64_t nq, int64_t shared, int64_t common, const T* kbase,
+                       const T* vbase, int64_t ks, int64_t D, int64_t tail, float sc, int64_t ahead) {
   int64_t q = 0;
   for (; q + 2 <= nq; q += 2, ahead = 0)
     scores_shared<NV, Tail, 2>(qs + q, shared, common, kbase, vbase, ks, D, tail, sc, ahead);
@@ -1110,8 +1114,9 @@ void scores_shared_all(HeadQuery* qs, int64_t nq, int64_t shared, int64_t common
 constexpr int64_t kMaxScoreVecs = 8;
 
 // scores_shared for a head of D columns: its vector count and tail as template arguments.
-void head_scores_shared(HeadQuery* qs, int64_t nq, int64_t shared, int64_t common, const float* kbase,
-                        const float* vbase, int64_t ks, int64_t D, float sc, int64_t ahead) {
+template <typename T>
+void head_scores_shared(HeadQuery* qs, int64_t nq, int64_t shared, int64_t common, const T* kbase,
+                        const T* vbase, int64_t ks, int64_t D, float sc, int64_t ahead) {
   const int64_t nv = (D + kLanes - 1) / kLanes, tail = D - (nv - 1) * kLanes;
   const bool t = tail != kLanes;
 #define SE_SCORES(N) \
@@ -1125,7 +1130,8 @@ void head_scores_shared(HeadQuery* qs, int64_t nq, int64_t shared, int64_t commo
 }
 
 // Scores, softmax and values for the queries of one (row, head).
-void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbase, const float* vbase, int64_t ks,
+template <typename T>
+void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const T* kbase, const T* vbase, int64_t ks,
                     int64_t D, float sc) {
   const int64_t shared = common - common % 4;
   const int64_t ahead = kv_ahead();
@@ -1134,7 +1140,7 @@ void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbas
   } else {
     for (int64_t s0 = 0; s0 < shared; s0 += 4) {
       prefetch_group(kbase, vbase, s0, ahead, common, ks, D);
-      const float* kr[4] = {kbase + s0 * ks, kbase + (s0 + 1) * ks, kbase + (s0 + 2) * ks, kbase + (s0 + 3) * ks};
+      const T* kr[4] = {kbase + s0 * ks, kbase + (s0 + 1) * ks, kbase + (s0 + 2) * ks, kbase + (s0 + 3) * ks};
       for (int64_t q = 0; q < nq; ++q) score4(qs[q].q, kr, D, sc, qs[q].p + s0, 4);
     }
   }
@@ -1142,7 +1148,7 @@ void head_attention(HeadQuery* qs, int64_t nq, int64_t common, const float* kbas
     HeadQuery& hq = qs[q];
     for (int64_t s0 = shared; s0 < hq.n; s0 += 4) {
       const int64_t cnt = std::min<int64_t>(4, hq.n - s0);
-      const float* kr[4];
+      const T* kr[4];
       for (int64_t u = 0; u < 4; ++u) kr[u] = kbase + hq.slot(s0 + std::min(u, cnt - 1)) * ks;
       score4(hq.q, kr, D, sc, hq.p + s0, cnt);
     }
@@ -1397,8 +1403,9 @@ class NativeGPT2 {
     SE_CHECK(B >= 1 && N >= 1, "tokens must not be empty");
     SE_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
                  k_all.strides() == v_all.strides() && k_all.stride(4) == 1 &&
-                 k_all.scalar_type() == torch::kFloat32 && v_all.scalar_type() == torch::kFloat32,
-             "k_cache and v_cache must be float32 (L, B, H, S, D) with unit stride over D, and alike");
+                 (k_all.scalar_type() == torch::kFloat32 || k_all.scalar_type() == torch::kHalf) &&
+                 v_all.scalar_type() == k_all.scalar_type(),
+             "k_cache and v_cache must be float32 or float16 (L, B, H, S, D) with unit stride over D, and alike");
     SE_CHECK(k_all.size(0) == L && k_all.size(1) == B && k_all.size(2) == n_head_ && k_all.size(4) == D_,
              "the cache must be (", L, ", ", B, ", ", n_head_, ", S, ", D_, "), got ", k_all.sizes());
     const int64_t S = k_all.size(3);
@@ -1436,8 +1443,12 @@ class NativeGPT2 {
     const float* wpe = wpe_.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r)
       for (int64_t c = 0; c < C; ++c) x[r * C + c] = wte[tp[r] * C + c] + wpe[pp[r] * C + c];
-    float* kp = k_all.data_ptr<float>();
-    float* vp = v_all.data_ptr<float>();
+    // The cache's entries: float32, or float16 bits (KVCache's kv_dtype).
+    const bool half_kv = k_all.scalar_type() == torch::kHalf;
+    float* kp = half_kv ? nullptr : k_all.data_ptr<float>();
+    float* vp = half_kv ? nullptr : v_all.data_ptr<float>();
+    uint16_t* kp16 = half_kv ? reinterpret_cast<uint16_t*>(k_all.data_ptr<at::Half>()) : nullptr;
+    uint16_t* vp16 = half_kv ? reinterpret_cast<uint16_t*>(v_all.data_ptr<at::Half>()) : nullptr;
     const int64_t s_l = k_all.stride(0), s_b = k_all.stride(1), s_h = k_all.stride(2), s_s = k_all.stride(3);
     float* lp = logits.data_ptr<float>();
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -1460,14 +1471,14 @@ class NativeGPT2 {
       std::vector<float> p;
       const bool own = heads_own(nth);
       // The new tokens' K/V of (row b, head hh) to their cache slots, then its attention.
-      auto attend = [&](int64_t l, int64_t b, int64_t hh) {
+      auto attend_in = [&](auto* kc, auto* vc, int64_t l, int64_t b, int64_t hh) {
         const int64_t start = starts[b];
-        float* kh = kp + l * s_l + b * s_b + hh * s_h;
-        float* vh = vp + l * s_l + b * s_b + hh * s_h;
+        auto* kh = kc + l * s_l + b * s_b + hh * s_h;
+        auto* vh = vc + l * s_l + b * s_b + hh * s_h;
         for (int64_t i = 0; i < N; ++i) {
           const float* src = &qkv[(b * N + i) * C3 + hh * D];
-          std::copy(src + C, src + C + D, kh + (writes[b] + i) * s_s);
-          std::copy(src + 2 * C, src + 2 * C + D, vh + (writes[b] + i) * s_s);
+          kv_store_row(kh + (writes[b] + i) * s_s, src + C, D);
+          kv_store_row(vh + (writes[b] + i) * s_s, src + 2 * C, D);
         }
         p.resize(N * (start + M + 2 * kLanes));
         for (int64_t i = 0; i < N; ++i) {
@@ -1481,6 +1492,9 @@ class NativeGPT2 {
                             p.data() + i * (start + M + 2 * kLanes), &att[(b * N + i) * C + hh * D]};
         }
         head_attention(hq.data(), N, start, kh, vh, s_s, D, scale);
+      };
+      auto attend = [&](int64_t l, int64_t b, int64_t hh) {
+        if (half_kv) attend_in(kp16, vp16, l, b, hh); else attend_in(kp, vp, l, b, hh);
       };
       for (int64_t l = 0; l < L; ++l) {
         const Block& blk = blocks_[l];

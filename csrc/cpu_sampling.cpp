@@ -688,15 +688,39 @@ std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint6
   return {idx, logr};
 }
 
+namespace {
+// A cache entry's bits, whatever its float type: the moves copy them as they are.
+template <typename T>
+T* entries(torch::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+template <typename T>
+void kv_move_entries(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, const std::vector<int64_t>& path) {
+  const int64_t L = k.size(0), B = k.size(1), H = k.size(2), S = k.size(3), D = k.size(4);
+  for (torch::Tensor* t : {&k, &v}) {
+    T* base = entries<T>(*t);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t h = 0; h < H; ++h) {
+        T* slots = base + (((l * B + row) * H + h) * S + start) * D;
+        for (size_t m = 0; m < path.size(); ++m)
+          if (path[m] != static_cast<int64_t>(m)) std::copy_n(slots + path[m] * D, D, slots + m * D);
+      }
+  }
+}
+}  // namespace
+
 // Keep the pending entries ``path`` of one cache row: entry at slot start + path[m] moves to slot
-// start + m in every layer and head of k and v, (L, B, H, S, D) float32 (path[m] >= m, increasing).
+// start + m in every layer and head of k and v, (L, B, H, S, D) float32 or float16 (path[m] >= m,
+// increasing).
 void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, const std::vector<int64_t>& path) {
   for (const torch::Tensor* t : {&k, &v}) {
-    SE_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 5,
-             "k and v must be contiguous float32 CPU tensors (L, B, H, S, D)");
+    SE_CHECK(t->device().is_cpu() && (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kHalf) &&
+                 t->is_contiguous() && t->dim() == 5,
+             "k and v must be contiguous float32 or float16 CPU tensors (L, B, H, S, D)");
   }
+  SE_CHECK(k.scalar_type() == v.scalar_type(), "k and v must have one dtype, got ", k.scalar_type(), " and ",
+           v.scalar_type());
   SE_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
-  const int64_t L = k.size(0), B = k.size(1), H = k.size(2), S = k.size(3), D = k.size(4);
+  const int64_t B = k.size(1), S = k.size(3);
   SE_CHECK(row >= 0 && row < B, "row must be in [0, ", B, "), got ", row);
   SE_CHECK(!path.empty() && start >= 0, "path must be non-empty and start >= 0");
   for (size_t m = 0; m < path.size(); ++m) {
@@ -704,19 +728,12 @@ void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, con
              "path must be strictly increasing with path[m] >= m, got ", path[m], " at ", m);
   }
   SE_CHECK(start + path.back() < S, "path reaches slot ", start + path.back(), " of ", S);
-  for (torch::Tensor* t : {&k, &v}) {
-    float* base = t->data_ptr<float>();
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t h = 0; h < H; ++h) {
-        float* slots = base + (((l * B + row) * H + h) * S + start) * D;
-        for (size_t m = 0; m < path.size(); ++m)
-          if (path[m] != static_cast<int64_t>(m)) std::copy_n(slots + path[m] * D, D, slots + m * D);
-      }
-  }
+  if (k.scalar_type() == torch::kHalf) kv_move_entries<uint16_t>(k, v, row, start, path);
+  else kv_move_entries<float>(k, v, row, start, path);
 }
 
 // Beam reselection's row copies as one parallel move: row i <- row sources[i] over slots
-// [lows[i], span) in every layer and head of k and v (L, B, H, S, D) float32, for each i with
+// [lows[i], span) in every layer and head of k and v (L, B, H, S, D) float32 or float16, for each i with
 // sources[i] != i. A row is overwritten only once no copy still to come reads it; in a cycle (a
 // swap), where every row left is read by exactly one other, one row's slots are saved aside first.
 // As KVCache.reselect's Python copies, without a torch operator and two strided views per row: at
@@ -724,9 +741,12 @@ void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, con
 void kv_copy_rows(torch::Tensor& k, torch::Tensor& v, const std::vector<int64_t>& sources,
                   const std::vector<int64_t>& lows, int64_t span) {
   for (const torch::Tensor* t : {&k, &v}) {
-    SE_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 5,
-             "k and v must be contiguous float32 CPU tensors (L, B, H, S, D)");
+    SE_CHECK(t->device().is_cpu() && (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kHalf) &&
+                 t->is_contiguous() && t->dim() == 5,
+             "k and v must be contiguous float32 or float16 CPU tensors (L, B, H, S, D)");
   }
+  SE_CHECK(k.scalar_type() == v.scalar_type(), "k and v must have one dtype, got ", k.scalar_type(), " and ",
+           v.scalar_type());
   SE_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
   const int64_t L = k.size(0), B = k.size(1), H = k.size(2), S = k.size(3), D = k.size(4);
   const int64_t W = static_cast<int64_t>(sources.size());
@@ -737,45 +757,50 @@ void kv_copy_rows(torch::Tensor& k, torch::Tensor& v, const std::vector<int64_t>
     SE_CHECK(sources[i] >= 0 && sources[i] < B, "sources[", i, "] must be a row in [0, ", B, "), got ", sources[i]);
     SE_CHECK(lows[i] >= 0 && lows[i] <= span, "lows[", i, "] must be in [0, ", span, "], got ", lows[i]);
   }
-  float* bases[2] = {k.data_ptr<float>(), v.data_ptr<float>()};
-  auto at = [&](float* base, int64_t l, int64_t row, int64_t h) { return base + ((l * B + row) * H + h) * S * D; };
-  std::vector<int64_t> todo, readers(B, 0);  // destinations left; copies left that read each row
-  for (int64_t i = 0; i < W; ++i)
-    if (sources[i] != i && lows[i] < span) {
-      todo.push_back(i);
-      ++readers[sources[i]];
-    }
-  std::vector<float> saved;  // a cycle's row, (2, L, H, span - low, D)
-  int64_t saved_for = -1;  // the destination that reads ``saved`` instead of its source
-  while (!todo.empty()) {
-    auto it = std::find_if(todo.begin(), todo.end(), [&](int64_t i) { return readers[i] == 0; });
-    if (it == todo.end()) {  // a cycle: save todo[0]'s slots for the one copy that reads them
-      const int64_t row = todo.front();
-      const auto reader = std::find_if(todo.begin(), todo.end(), [&](int64_t j) { return sources[j] == row; });
-      SE_CHECK(reader != todo.end() && saved_for < 0, "kv_copy_rows: no free destination and no cycle");
-      const int64_t j = *reader, n = (span - lows[j]) * D;
-      saved.resize(static_cast<size_t>(2 * L * H * n));
+  // The copies move each entry's bits, whatever its float type.
+  auto copy = [&](auto tag) {
+    using T = decltype(tag);
+    T* bases[2] = {entries<T>(k), entries<T>(v)};
+    auto at = [&](T* base, int64_t l, int64_t row, int64_t h) { return base + ((l * B + row) * H + h) * S * D; };
+    std::vector<int64_t> todo, readers(B, 0);  // destinations left; copies left that read each row
+    for (int64_t i = 0; i < W; ++i)
+      if (sources[i] != i && lows[i] < span) {
+        todo.push_back(i);
+        ++readers[sources[i]];
+      }
+    std::vector<T> saved;  // a cycle's row, (2, L, H, span - low, D)
+    int64_t saved_for = -1;  // the destination that reads ``saved`` instead of its source
+    while (!todo.empty()) {
+      auto it = std::find_if(todo.begin(), todo.end(), [&](int64_t i) { return readers[i] == 0; });
+      if (it == todo.end()) {  // a cycle: save todo[0]'s slots for the one copy that reads them
+        const int64_t row = todo.front();
+        const auto reader = std::find_if(todo.begin(), todo.end(), [&](int64_t j) { return sources[j] == row; });
+        SE_CHECK(reader != todo.end() && saved_for < 0, "kv_copy_rows: no free destination and no cycle");
+        const int64_t j = *reader, n = (span - lows[j]) * D;
+        saved.resize(static_cast<size_t>(2 * L * H * n));
+        for (int t = 0; t < 2; ++t)
+          for (int64_t l = 0; l < L; ++l)
+            for (int64_t h = 0; h < H; ++h)
+              std::copy_n(at(bases[t], l, row, h) + lows[j] * D, n, saved.data() + ((t * L + l) * H + h) * n);
+        saved_for = j;
+        --readers[row];
+        continue;
+      }
+      const int64_t i = *it, src = sources[i], n = (span - lows[i]) * D;
+      todo.erase(it);
       for (int t = 0; t < 2; ++t)
         for (int64_t l = 0; l < L; ++l)
-          for (int64_t h = 0; h < H; ++h)
-            std::copy_n(at(bases[t], l, row, h) + lows[j] * D, n, saved.data() + ((t * L + l) * H + h) * n);
-      saved_for = j;
-      --readers[row];
-      continue;
+          for (int64_t h = 0; h < H; ++h) {
+            const T* from = i == saved_for ? saved.data() + ((t * L + l) * H + h) * n : at(bases[t], l, src, h) + lows[i] * D;
+            std::copy_n(from, n, at(bases[t], l, i, h) + lows[i] * D);
+          }
+      if (i == saved_for)
+        saved_for = -1;
+      else
+        --readers[src];
     }
-    const int64_t i = *it, src = sources[i], n = (span - lows[i]) * D;
-    todo.erase(it);
-    for (int t = 0; t < 2; ++t)
-      for (int64_t l = 0; l < L; ++l)
-        for (int64_t h = 0; h < H; ++h) {
-          const float* from = i == saved_for ? saved.data() + ((t * L + l) * H + h) * n : at(bases[t], l, src, h) + lows[i] * D;
-          std::copy_n(from, n, at(bases[t], l, i, h) + lows[i] * D);
-        }
-    if (i == saved_for)
-      saved_for = -1;
-    else
-      --readers[src];
-  }
+  };
+  if (k.scalar_type() == torch::kHalf) copy(uint16_t{}); else copy(float{});
 }
 
 namespace {

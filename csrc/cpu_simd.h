@@ -120,6 +120,27 @@ inline vec vload_h_tail(const uint16_t* p, int64_t n) {
 #error "staged_engine._cpu needs AVX2+FMA+F16C or AVX-512 (built with -march=native)"
 #endif
 
+// K/V cache entries, float32 or float16 (widened to float32 in registers, exactly), and the new
+// tokens' entries stored into either (float16 rounded to nearest even, as torch's conversion).
+inline vec kv_load(const float* p) { return vload(p); }
+inline vec kv_load(const uint16_t* p) { return vload_h(p); }
+inline vec kv_load_tail(const float* p, int64_t n) { return vload_tail(p, n); }
+inline vec kv_load_tail(const uint16_t* p, int64_t n) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1u), p));
+#else
+  return vload_h_tail(p, n);
+#endif
+}
+inline void kv_store_row(float* dst, const float* src, int64_t n) { std::copy(src, src + n, dst); }
+inline void kv_store_row(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 // exp() on every lane (Cephes expf: range reduction by ln 2, degree-6 polynomial; about 1 ulp).
 // One fixed sequence of operations per lane, so a lane's result never depends on its neighbours.
 inline vec vexp(vec x) {

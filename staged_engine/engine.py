@@ -155,7 +155,8 @@ class Engine:
 
     def __init__(self, oracle: GPT2, draft: GPT2 | None = None, tokenizer=None,
                  backend: Backend | None = None, ngram=None, draft2: GPT2 | None = None,
-                 pool_size: int = 4, pool_timeout: float | None = 60.0, draft_head_rows: int | None = None) -> None:
+                 pool_size: int = 4, pool_timeout: float | None = 60.0, draft_head_rows: int | None = None,
+                 kv_dtype: torch.dtype | str | None = None) -> None:
         self.oracle = oracle
         self.draft = draft
         self.draft2 = draft2
@@ -189,6 +190,14 @@ class Engine:
             if draft is oracle:
                 raise ValueError("draft_head_rows needs a draft other than the oracle model object")
             draft.head_rows = draft_head_rows
+        # The oracle's K/V caches in float16 (``kv_dtype``): attention reads half the bytes, which at
+        # long contexts is most of what a pass reads (demo oracle, one-row pass, AMD EPYC Zen 4:
+        # bench/results/kv_dtype.json), at the price of rounding each entry to float16, so logits
+        # move away from HF's (about 3e-4 relative on the demo oracle, against 2e-6 in float32).
+        # Every strategy still emits what plain decoding with the same cache emits. The drafts keep
+        # float32 caches: theirs are small, and float16 made the demo draft's passes 1-4% slower.
+        # Set on the oracle model object (``GPT2.kv_dtype``), so engines given one oracle object share it.
+        oracle.kv_dtype = _parse_kv_dtype(kv_dtype, oracle, self.backend)
         eos = oracle.config.eos_token_id
         self.eos_token_id = eos if isinstance(eos, int) and 0 <= eos < oracle.config.vocab_size else None
         self._pool = StatePool(pool_size, pool_timeout)
@@ -211,13 +220,16 @@ class Engine:
     def from_pretrained(cls, oracle: str, draft: str | None = None, ngram: str | None = None,
                         device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
                         backend: str = "auto", draft2: str | None = None, pool_size: int = 4,
-                        pool_timeout: float | None = 60.0, draft_head_rows: int | None = None) -> "Engine":
+                        pool_timeout: float | None = 60.0, draft_head_rows: int | None = None,
+                        kv_dtype: torch.dtype | str | None = None) -> "Engine":
         """Load HF GPT-2 checkpoint directories (config.json + model.safetensors).
 
         ``draft2`` adds a third model stage between the draft and the n-gram model. Up to
         ``pool_size`` generations (threads, open streams) run at once, each with its own KV
         caches; another waits up to ``pool_timeout`` seconds for one to finish. With
         ``draft_head_rows`` the draft scores only token ids below it (outputs are unchanged).
+        ``kv_dtype="float16"`` keeps the oracle's K/V cache in float16 (CPU, float32 weights):
+        faster at long contexts, its logits rounded (every strategy still equals plain decoding).
         """
         dev = _parse_device(device)
         dt = _parse_dtype(dtype, dev)
@@ -235,11 +247,12 @@ class Engine:
                 raise ValueError(f"ngram file {ngram}: vocabulary {ngram_model.vocab_size} exceeds "
                                  f"the oracle's {oracle_model.config.vocab_size}")
         return cls(oracle_model, draft_model, tokenizer, be, ngram_model, draft2_model, pool_size, pool_timeout,
-                   draft_head_rows)
+                   draft_head_rows, kv_dtype)
 
     @classmethod
     def demo(cls, device: str | torch.device = "cpu", backend: str = "auto", ngram: bool = True,
-             pool_size: int = 4, pool_timeout: float | None = 60.0, draft_head_rows: int | None = None) -> "Engine":
+             pool_size: int = 4, pool_timeout: float | None = 60.0, draft_head_rows: int | None = None,
+             kv_dtype: torch.dtype | str | None = None) -> "Engine":
         """The embedded default pair shipped inside the package (nothing is downloaded).
 
         With ``ngram`` the staged n-gram stage is loaded from the local cache, or built from the
@@ -250,7 +263,8 @@ class Engine:
             raise FileNotFoundError(f"the demo models are not in this build: {oracle_dir}")
         draft_dir = os.path.join(DEMO_DIR, "draft")
         eng = cls.from_pretrained(oracle_dir, draft=draft_dir, device=device, backend=backend,
-                                  pool_size=pool_size, pool_timeout=pool_timeout, draft_head_rows=draft_head_rows)
+                                  pool_size=pool_size, pool_timeout=pool_timeout, draft_head_rows=draft_head_rows,
+                                  kv_dtype=kv_dtype)
         if ngram:
             eng.ngram = demo_ngram(os.path.join(oracle_dir, "tokenizer.json"))
         return eng
@@ -308,7 +322,8 @@ class Engine:
             if m is None:
                 return 0
             c = m.config
-            return 2 * c.n_layer * c.n_positions * c.n_embd * m.wte.weight.element_size()
+            size = (m.kv_dtype or m.wte.weight.dtype).itemsize
+            return 2 * c.n_layer * c.n_positions * c.n_embd * size
 
         weights = sum(sum(p.numel() * p.element_size() for p in m.parameters())
                       for m in (self.oracle, self.draft, self.draft2) if m is not None)
@@ -626,6 +641,28 @@ def _parse_device(device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return dev
+
+
+def _parse_kv_dtype(kv_dtype, oracle: GPT2, backend: Backend) -> torch.dtype | None:
+    """The oracle's K/V cache dtype for ``GPT2.kv_dtype``: None (the weights' dtype, the default)
+    or float16 (under float32 weights, on the torch backend: the Triton kernels keep the cache in
+    the model's dtype)."""
+    if kv_dtype is None:
+        return None
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+    dt = names.get(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    if dt not in (torch.float32, torch.float16):
+        raise ValueError(f"kv_dtype must be None, 'float32' or 'float16', got {kv_dtype!r}")
+    weights = oracle.wte.weight.dtype
+    if dt == weights:
+        return None
+    if weights != torch.float32:
+        raise ValueError(f"kv_dtype={kv_dtype!r} needs float32 weights (dtype='float32'); the oracle's are "
+                         f"{str(weights).replace('torch.', '')}")
+    if getattr(backend, "name", "") != "torch":
+        raise ValueError(f"kv_dtype={kv_dtype!r} runs on the torch backend (CPU); the {backend.name} backend "
+                         "keeps the cache in the model's dtype")
+    return dt
 
 
 def _parse_dtype(dtype, device: torch.device) -> torch.dtype:

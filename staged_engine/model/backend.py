@@ -349,7 +349,7 @@ class TorchBackend(Backend):
         b, n = tokens.shape
         if not (self.native and b * n <= NATIVE_MAX_ROWS and k.device.type == "cpu"):
             return None
-        if model.wte.weight.dtype != torch.float32 or k.dtype != torch.float32:
+        if model.wte.weight.dtype != torch.float32 or k.dtype not in (torch.float32, torch.float16):
             if not self._warned_dtype:
                 self._warned_dtype = True
                 warnings.warn(f"the native decode path runs float32 models; this one is {model.wte.weight.dtype}, "
@@ -416,6 +416,8 @@ class TorchBackend(Backend):
         m = n_uncommitted
         span = max(starts) + m
         keys, values = k_cache[:, :, :span], v_cache[:, :, :span]  # (B, H, span, D)
+        if keys.dtype != q.dtype:  # a float16 cache under a float32 model: entries widen exactly
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if n == 1 and tree_mask is None and all(s == starts[0] for s in starts):
             return F.scaled_dot_product_attention(q, keys, values, scale=scale)
         visible = chain_mask(n, m, q.device) if tree_mask is None else tree_mask  # (N, M) or (B, N, M)
@@ -427,7 +429,8 @@ class TorchBackend(Backend):
 
     @staticmethod
     def _native_cache(k: torch.Tensor, v: torch.Tensor) -> bool:
-        return k.device.type == "cpu" and k.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+        return k.device.type == "cpu" and k.dtype in (torch.float32, torch.float16) and k.is_contiguous() \
+            and v.is_contiguous()
 
     def commit(self, k, v, row, start, path):
         if self.native and self._native_cache(k, v):

@@ -78,6 +78,9 @@ class GPT2(nn.Module):
         # None, or a drafting model's head over token ids [0, head_rows) alone: the rest get -inf
         # logits and are never proposed (``Engine(draft_head_rows=)``; never set on an oracle).
         self.head_rows: int | None = None
+        # None (the weights' dtype), or the dtype of the K/V caches this model's runners make
+        # (``Engine(kv_dtype=)``: float16 halves what attention reads, and rounds each entry).
+        self.kv_dtype: torch.dtype | None = None
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .float(), ... make new tensors: drop the cache
         self._flat = None
@@ -113,7 +116,7 @@ class GPT2(nn.Module):
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         c = self.config
         return KVCache(c.n_layer, batch, c.n_head, max_len or c.n_positions, c.head_dim,
-                       self.wte.weight.dtype, self.wte.weight.device)
+                       self.kv_dtype or self.wte.weight.dtype, self.wte.weight.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 tree_mask: torch.Tensor | None = None, last_only: bool = False,

@@ -123,6 +123,8 @@ def profile_key(model, backend) -> dict:
             # the row count they take it from, which is measured at load and moves a little from
             # load to load (a second load must find its profile)
             **({"wide_rows": backend.wide_rows} if packed is not None and hasattr(backend, "wide_rows") else {}),
+            # a float16 K/V cache (``GPT2.kv_dtype``) reads half the bytes at each context
+            **({"kv_dtype": str(model.kv_dtype).replace("torch.", "")} if getattr(model, "kv_dtype", None) else {}),
             **cpu_identity(),
             "threads": torch.get_num_threads(), "torch": torch.__version__, "staged_engine": _version(),
             "python": platform.python_version()}

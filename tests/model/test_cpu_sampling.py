@@ -273,10 +273,11 @@ def test_processed_probs_of_a_non_finite_row_is_nan_and_other_rows_are_kept():
     assert torch.allclose(out[[0, 2]].sum(1), torch.ones(2, dtype=torch.float64))
 
 
-def test_kv_move_equals_tensor_copies():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kv_move_equals_tensor_copies(dtype):
     g = torch.Generator().manual_seed(0)
-    k = torch.randn(3, 2, 4, 20, 8, generator=g)
-    v = torch.randn(3, 2, 4, 20, 8, generator=g)
+    k = torch.randn(3, 2, 4, 20, 8, generator=g).to(dtype)
+    v = torch.randn(3, 2, 4, 20, 8, generator=g).to(dtype)
     for path in ([0, 2, 5], [0, 1, 2], [0, 3], [0, 1, 4, 6, 9]):
         k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
         move_entries(k1, v1, 1, 6, path)

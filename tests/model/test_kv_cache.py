@@ -99,13 +99,14 @@ def test_reselect_copies_rows_then_commits_each_path():
 
 @pytest.mark.parametrize("sources,lows", [([1, 0], [3, 1]), ([1, 2, 0], [0, 4, 2]), ([2, 2, 1], [6, 1, 3]),
                                           ([3, 0, 0, 2], [5, 2, 0, 6]), ([1, 0, 3, 2], [2, 6, 4, 0])])
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(_cpu is None, reason="no _cpu"))])
-def test_reselect_copies_each_row_from_its_own_low(sources, lows, native):
+@pytest.mark.parametrize("native,dtype", [(False, torch.float64), *(
+    pytest.param(True, dt, marks=pytest.mark.skipif(_cpu is None, reason="no _cpu")) for dt in (torch.float32, torch.float16))])
+def test_reselect_copies_each_row_from_its_own_low(sources, lows, native, dtype):
     # Each destination row takes its source's slots [lows[i], span) and keeps its own below (a
     # low of span copies nothing), swaps and cycles included, in Python and in the native
-    # kernel (float32 caches); the reference gathers every row from an untouched copy.
+    # kernel (float32 and float16 caches); the reference gathers every row from an untouched copy.
     w = len(sources)
-    cache = _cache(batch=4, dtype=torch.float32 if native else torch.float64)
+    cache = _cache(batch=4, dtype=dtype)
     cache.set_committed(4, 5)
     k0, v0 = cache.k.clone(), cache.v.clone()
     calls = []
