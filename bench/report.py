@@ -262,6 +262,11 @@ def render() -> str:
                                  "(`staged-engine bench working-set`)", r, "working_set.json")
         parts += _plot("working_set.png", "read rate against the bytes read, with the oracle's passes; each model's "
                                           "pass after the other's")
+    r = _load("kv_dtype.json")
+    if r:
+        parts += section_generic("The oracle's K/V cache in float16 (`staged-engine bench kv-dtype`)", r,
+                                 "kv_dtype.json")
+        parts += _plot("kv_dtype.png", "decode tokens/s against prompt length, float32 and float16 K/V caches")
     r = _load("linear_cpu.json")
     if r:
         parts += section_generic("The native linear kernel alone: what bounds an N-node pass "

@@ -399,3 +399,42 @@ def test_the_round_cost_plot_is_drawn_from_sweeps_that_split_a_round(tmp_path):
     os.remove(tmp_path / "png" / "round_cost.png")
     assert plots.main(["--results", str(tmp_path), "--out", str(tmp_path / "png")]) == 0
     assert not os.path.exists(tmp_path / "png" / "round_cost.png")
+
+
+@pytest.mark.parametrize("argv,needle", [(["--repeats", "0"], "--repeats must be >= 1"),
+                                         (["--limit", "0"], "--limit must be >= 1"),
+                                         (["--lengths", "0", "900"], "--lengths must be in \\[0, 896\\)"),
+                                         (["--lengths", "-1"], "--lengths must be in")])
+def test_the_kv_dtype_bench_refuses_bad_arguments_by_name(argv, needle):
+    kv_dtype = _bench_module("kv_dtype")
+    with pytest.raises(ValueError, match=needle):
+        kv_dtype.main(argv)
+
+
+def test_the_kv_dtype_bench_joins_the_prompts_before_each_to_reach_a_length():
+    kv_dtype = _bench_module("kv_dtype")
+    texts = ["a b\n", "c d e\n", "f\n", "g h i j\n"]
+    encode = str.split  # a token a word
+    assert kv_dtype.long_prompts(texts, encode, 2, 0, 100) == texts[:2]  # each as it is
+    # Each prompt after the ones before it, nearest first and cycling past the start, until it
+    # has 5 words; each still ends as its own prompt does.
+    assert kv_dtype.long_prompts(texts, encode, 3, 5, 100) == [
+        "g h i j\n\n\na b\n", "a b\n\n\nc d e\n", "a b\n\n\nc d e\n\n\nf\n"]
+    # One that would pass the room (6 words of 5) is left out; too few that fit is an error.
+    assert kv_dtype.long_prompts(texts, encode, 2, 5, 5) == ["a b\n\n\nc d e\n", "f\n\n\ng h i j\n"]
+    with pytest.raises(ValueError, match="only 2 prompts of 5-5 tokens"):
+        kv_dtype.long_prompts(texts, encode, 3, 5, 5)
+    with pytest.raises(ValueError, match="fewer than 50 tokens"):
+        kv_dtype.long_prompts(texts, encode, 1, 50, 100)
+
+
+def test_the_kv_dtype_table_reports_each_length_and_mode():
+    kv_dtype = _bench_module("kv_dtype")
+    run = {"tokens_per_s": {"float32": 2000.0, "float16": 3000.0}, "ratio": 1.5, "with_prefill_ratio": 1.1,
+           "same_output": 3, "first_difference": [17]}
+    result = {"machine": {"cpu": "Test CPU", "isa": "avx2"}, "threads": 2, "repeats": 3, "prompts": 4,
+              "new_tokens": 128, "lengths": {"450": {"prompt_tokens": [460, 520, 480, 455],
+                                                     "logit_error_max": 4.2e-4, "runs": {"greedy plain": run}}}}
+    text = kv_dtype.table(result)
+    assert "| 455-520 | greedy plain | 2000 | 3000 | 1.50x | 1.10x | 3/4 | 17 | 4.2e-04 |" in text
+    assert "Test CPU" in text

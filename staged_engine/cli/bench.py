@@ -20,6 +20,7 @@ BENCHES = {
     "roofline": "roofline.py",  # decode against bandwidth/compute bounds, HF generate and llama.cpp
     "linear": "linear.py",  # the native linear kernel alone against its bounds, 1-64 rows
     "working-set": "working_set.py",  # a pass against its context and after the other model's
+    "kv-dtype": "kv_dtype.py",  # the oracle's K/V cache in float16 against float32, short and long contexts
     "idle-gap": "idle_gap.py",  # a forward pass after idle time, against the same pass back to back
     "widening": "widening.py",  # what a row costs over float16 weights: F16C's widening against the FMAs
     "plots": "plots.py",  # PNG plots of bench/results/*.json (needs matplotlib)
