@@ -267,6 +267,12 @@ def render() -> str:
         parts += section_generic("The oracle's K/V cache in float16 (`staged-engine bench kv-dtype`)", r,
                                  "kv_dtype.json")
         parts += _plot("kv_dtype.png", "decode tokens/s against prompt length, float32 and float16 K/V caches")
+    for name, when in (("kv_dtype_run2.json", "again, a minute later"), ("kv_dtype_run3.json", "a third time, "
+                                                                                       "with 5 repeats")):
+        r = _load(name)
+        if r:
+            parts += section_generic(f"The oracle's K/V cache in float16, {when} (`staged-engine bench kv-dtype "
+                                     f"--out {name}`)", r, name)
     r = _load("linear_cpu.json")
     if r:
         parts += section_generic("The native linear kernel alone: what bounds an N-node pass "
