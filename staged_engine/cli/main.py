@@ -64,7 +64,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="kernels: triton on CUDA, torch on CPU (auto)")
     p.add_argument("--kv-dtype", default=None, choices=("float32", "float16"),
                    help="the oracle's K/V cache: float16 reads half the bytes (faster at long contexts on CPU) "
-                        "and rounds each entry, so logits drift from HF's by ~3e-4 relative; every strategy "
+                        "and rounds each entry, so logits drift from HF's (up to ~1e-3 relative); every strategy "
                         "still equals plain decoding (default: the weights' dtype)")
 
 
