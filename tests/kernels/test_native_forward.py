@@ -887,7 +887,7 @@ def test_huge_page_buffers_hold_the_same_model(tmp_path):
     """A model of 2 MiB and more of packed weights, packed with huge pages advised and without
     (``set_huge_pages``): the same logits bit for bit, both within rounding of stock torch; the
     switch reports what it was set to and defaults to on."""
-    from tests.ckpt_util import make_hf_checkpoint
+    from ckpt_util import make_hf_checkpoint
 
     assert _cpu.huge_pages()
     path = make_hf_checkpoint(str(tmp_path / "wide"), seed=3, vocab_size=3001, n_positions=64, n_embd=256,
