@@ -23,13 +23,15 @@ def run(args, engine) -> int:
     for which in models:
         prof = engine.cost_profile(which, force=args.force)
         how = engine.profile_sources.get(which, "cached")
-        path = profile_path(profile_key(getattr(engine, which), engine.backend))
-        print(f"\n{which}: {how}" + (f" in {prof.measured_in:.2f} s" if how != "cached" else "") + f"  [{path}]")
+        key = profile_key(getattr(engine, which), engine.backend)
+        path = profile_path(key)
+        label = which + (f" ({key['kv_dtype']} K/V cache)" if "kv_dtype" in key else "")
+        print(f"\n{label}: {how}" + (f" in {prof.measured_in:.2f} s" if how != "cached" else "") + f"  [{path}]")
         print("  nodes " + " ".join(f"{n:>7d}" for n in prof.nodes))
         for ctx, row in zip(prof.contexts, prof.seconds):
             print(f"  ctx {ctx:<4d}" + " ".join(f"{1e3 * s:7.3f}" for s in row) + "  ms")
         out[which] = {"contexts": list(prof.contexts), "nodes": list(prof.nodes), "seconds": prof.seconds,
-                      "source": how, "path": path}
+                      "source": how, "path": path, "kv_dtype": key.get("kv_dtype")}
     if args.json:
         json.dump({"machine": ident, "models": out}, sys.stdout, indent=1)
         print()
@@ -54,7 +56,7 @@ def _plot(out: dict, ident: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("new nodes in the pass")
         ax.set_ylabel("ms per forward pass")
-        ax.set_title(which)
+        ax.set_title(which + (f" ({prof['kv_dtype']} K/V cache)" if prof.get("kv_dtype") else ""))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"forward cost on {ident['cpu']}, {ident['cores']} cores", fontsize=9)

@@ -814,6 +814,10 @@ def test_profile_command_measures_then_reads_the_cache(pair, cache, capsys, tmp_
     assert set(payload["models"]) == {"oracle", "draft"} and payload["machine"]["cores"] >= 1
     assert main(["profile", "--oracle", oracle, "--draft", draft]) == 0
     assert "oracle: cached" in capsys.readouterr().out
+    # A float16 K/V cache is another profile, named as such; the draft's stays the one above.
+    assert main(["profile", "--oracle", oracle, "--draft", draft, "--kv-dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "oracle (float16 K/V cache): measured" in out and "draft: cached" in out
     plot = tmp_path / "cost.png"
     pytest.importorskip("matplotlib")
     assert main(["profile", "--oracle", oracle, "--plot", str(plot)]) == 0
