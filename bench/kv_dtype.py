@@ -9,8 +9,8 @@ Prompts of three lengths, each ending as a held-out prompt does (a function's si
 docstring, from packages the demo pair never saw): the prompt alone, and that prompt after the
 held-out prompts before it in the set, joined until the prompt reaches ~450 or ~850 tokens (a
 file's worth of code above the function). Per prompt and mode (greedy, T 0.8 / top-p 0.95),
-plain and staged decoding of ``--new-tokens`` tokens with a float32-cache engine and a
-float16-cache engine (the demo pair, each its own models), the engines alternating and their
+plain and staged decoding and 4 beams (beam search, or beam sampling under the mode's rule) of
+``--new-tokens`` tokens with a float32-cache engine and a float16-cache engine (the demo pair, each its own models), the engines alternating and their
 order swapped every repeat. Reported per length: median decode tokens/s of each (new tokens over
 the decode's seconds, the prompt's prefill apart), the median of the per-prompt ratios, the same
 ratio with the prefill counted, how many prompts' outputs are the same tokens under both caches (and where
@@ -43,7 +43,10 @@ from common import (
 
 LENGTHS = (0, 450, 850)  # 0: the prompt alone; else the least prompt length in tokens, context joined before it
 MODES = {"greedy": {}, "top-p": dict(temperature=0.8, top_p=0.95)}
-STRATEGIES = ("plain", "staged")
+# Plain and staged decoding, and beams (4, the engine's default layout): beam search greedy, beam
+# sampling under the mode's rule. Each beam reads its context's K/V.
+STRATEGIES = {"plain": {"strategy": "plain"}, "staged": {"strategy": "staged"},
+              "4 beams": {"strategy": "beam", "num_beams": 4}}
 CONTEXTS = (64, 256, 512, 1000)  # cached tokens below the timed one-row passes
 BLOCK = 32  # passes of one cache before the other's
 
@@ -127,7 +130,7 @@ def measure(engines: dict, prompts: dict[int, list[str]], new_tokens: int, repea
         row["logit_error_max"] = max(errors)
         row["logit_error_median"] = statistics.median(errors)
         for mode, knobs in MODES.items():
-            for strategy in STRATEGIES:
+            for strategy, how in STRATEGIES.items():
                 rates = {k: [[] for _ in texts] for k in engines}  # decode: new tokens over decode seconds
                 totals = {k: [[] for _ in texts] for k in engines}  # with the prompt's prefill
                 tokens = {k: [None] * len(texts) for k in engines}
@@ -137,7 +140,7 @@ def measure(engines: dict, prompts: dict[int, list[str]], new_tokens: int, repea
                         for name in order:
                             seed = {"seed": 1000 + i} if knobs else {}
                             t0 = time.perf_counter()
-                            res = engines[name].generate(text, max_new_tokens=new_tokens, strategy=strategy,
+                            res = engines[name].generate(text, max_new_tokens=new_tokens, **how,
                                                          stop_at_eos=False, **knobs, **seed)
                             totals[name][i].append(len(res.token_ids) / (time.perf_counter() - t0))
                             rates[name][i].append(len(res.token_ids) / res.stats["decode_seconds"])
@@ -162,7 +165,7 @@ def measure(engines: dict, prompts: dict[int, list[str]], new_tokens: int, repea
 
 def table(result: dict) -> str:
     m = result["machine"]
-    head = (f"Plain and staged decoding of {result['new_tokens']} tokens with the oracle's K/V cache in float32 "
+    head = (f"Plain and staged decoding and 4 beams of {result['new_tokens']} tokens with the oracle's K/V cache in float32 "
             f"(the default) and in float16 (`kv_dtype=\"float16\"`), demo pair, {result['prompts']} held-out prompts "
             f"a length, medians of {result['repeats']} repeats ({m['cpu']}, {m['isa']}, {result['threads']} threads). "
             "Decode tok/s: new tokens over the decode's seconds (the prefill apart); ratio: the median over prompts "
