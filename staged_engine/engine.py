@@ -192,11 +192,11 @@ class Engine:
             draft.head_rows = draft_head_rows
         # The oracle's K/V caches in float16 (``kv_dtype``): attention reads half the bytes, which at
         # long contexts is as much as the weights (demo oracle, AMD EPYC Zen 4, bench/results/
-        # kv_dtype*.json: its one-row pass at 1,000 cached tokens 1.24-2.02x faster, plain decoding
-        # of 853-886-token prompts 1.30-1.80x), at the price of rounding each entry to float16: the
+        # kv_dtype*.json: its one-row pass at 1,000 cached tokens 1.27-1.67x faster, plain decoding
+        # of 853-886-token prompts 1.23-1.60x), at the price of rounding each entry to float16: the
         # logits moved up to 4.0e-4 relative from the float32 cache's (9.6e-4 past 850 tokens).
         # Every strategy still emits what plain decoding with the same cache emits. The drafts keep
-        # float32 caches: theirs are small, and the demo draft's passes ran 0.89-1.00x in float16.
+        # float32 caches: theirs are small, and the demo draft's passes ran 0.95-1.00x in float16.
         # Set on the oracle model object (``GPT2.kv_dtype``), so engines given one oracle object share it.
         oracle.kv_dtype = _parse_kv_dtype(kv_dtype, oracle, self.backend)
         eos = oracle.config.eos_token_id
