@@ -8,14 +8,15 @@ its logits are not float32's: this bench measures both sides of that trade.
 Prompts of three lengths, each ending as a held-out prompt does (a function's signature and
 docstring, from packages the demo pair never saw): the prompt alone, and that prompt after the
 held-out prompts before it in the set, joined until the prompt reaches ~450 or ~850 tokens (a
-file's worth of code above the function). Per prompt and mode (greedy, T 0.8 / top-p 0.95),
-plain and staged decoding and 4 beams (beam search, or beam sampling under the mode's rule) of
-``--new-tokens`` tokens with a float32-cache engine and a float16-cache engine (the demo pair, each its own models), the engines alternating and their
-order swapped every repeat. Reported per length: median decode tokens/s of each (new tokens over
-the decode's seconds, the prompt's prefill apart), the median of the per-prompt ratios, the same
-ratio with the prefill counted, how many prompts' outputs are the same tokens under both caches (and where
-the first difference falls), and the float16 cache's logits against float32's over the prompt
-(max |difference| over max |logit|).
+file's worth of code above the function). Per prompt and mode (greedy, T 0.8 / top-p 0.95): plain
+and staged decoding and 4 beams (beam search, or beam sampling under the mode's rule) of
+``--new-tokens`` tokens, with a float32-cache engine and a float16-cache engine (the demo pair,
+each its own models), alternating, their order swapped every repeat. Reported per length: median
+decode tokens/s of each (new tokens over the decode's seconds, the prompt's prefill apart), the
+median of the per-prompt ratios, the same ratio with the prefill counted, how many prompts'
+outputs are the same tokens under both caches (and where the first difference falls), and the
+float16 cache's logits against float32's over the prompt (max |difference| over max |logit|).
+Before them, the one-row pass of each model over both caches at 64-1,000 cached tokens.
 
     python bench/kv_dtype.py                      # 8 prompts a length, 3 repeats
     python bench/kv_dtype.py --limit 4 --repeats 1 --new-tokens 64
