@@ -644,14 +644,18 @@ def _parse_device(device) -> torch.device:
     return dev
 
 
+# The names ``dtype`` and ``kv_dtype`` take.
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
 def _parse_kv_dtype(kv_dtype, oracle: GPT2, backend: Backend) -> torch.dtype | None:
     """The oracle's K/V cache dtype for ``GPT2.kv_dtype``: None (the weights' dtype, the default)
     or float16 (under float32 weights, on the torch backend: the Triton kernels keep the cache in
     the model's dtype)."""
     if kv_dtype is None:
         return None
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
-    dt = names.get(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    dt = _DTYPES.get(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
     if dt not in (torch.float32, torch.float16):
         raise ValueError(f"kv_dtype must be None, 'float32' or 'float16', got {kv_dtype!r}")
     weights = oracle.wte.weight.dtype
@@ -669,12 +673,10 @@ def _parse_kv_dtype(kv_dtype, oracle: GPT2, backend: Backend) -> torch.dtype | N
 def _parse_dtype(dtype, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
     if isinstance(dtype, str):
-        if dtype not in names:
-            raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
-        return names[dtype]
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     return dtype
