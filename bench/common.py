@@ -129,6 +129,15 @@ def checkpoint_dirs(paths: list[str] | None, defaults) -> dict[str, str]:
     return models
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first index where the token lists ``a`` and ``b`` differ, the shorter one's length when
+    one extends the other, None when they are the same tokens."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def fmt(x, unit: str = "", digits: int = 2) -> str:
     """A table cell: empty for None, else the number with ``digits`` decimals and ``unit``."""
     return "" if x is None else f"{x:.{digits}f}{unit}"

@@ -25,6 +25,7 @@ import time
 import torch
 from common import (
     add_model_and_prompt_args,
+    first_divergence,
     fmt,
     load_prompts,
     machine,
@@ -77,13 +78,6 @@ class HFRunner:
             kw["prompt_lookup_num_tokens"] = 10
         with torch.inference_mode():
             return self.model.generate(x, **kw)[0, len(ids):].tolist()
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None
 
 
 def run(args) -> dict:

@@ -33,6 +33,7 @@ import time
 
 import torch
 from common import (
+    first_divergence,
     fmt,
     load_prompts,
     machine,
@@ -71,14 +72,6 @@ def long_prompts(texts: list[str], encode, count: int, least: int, room: int) ->
     if len(out) < count:
         raise ValueError(f"only {len(out)} prompts of {least}-{room} tokens could be made, {count} asked for")
     return out
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where ``a`` and ``b`` differ (None: the same tokens)."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def pass_times(model, backend, contexts: list[int], blocks: int, bar) -> dict:
@@ -149,7 +142,7 @@ def measure(engines: dict, prompts: dict[int, list[str]], new_tokens: int, repea
                         bar.update(1)
                 med = {k: [statistics.median(r) for r in v] for k, v in rates.items()}
                 med_total = {k: [statistics.median(r) for r in v] for k, v in totals.items()}
-                diffs = [first_difference(a, b) for a, b in zip(tokens["float32"], tokens["float16"])]
+                diffs = [first_divergence(a, b) for a, b in zip(tokens["float32"], tokens["float16"])]
                 row["runs"][f"{mode} {strategy}"] = {
                     "tokens_per_s": {k: statistics.median(v) for k, v in med.items()},
                     "per_prompt_tokens_per_s": med,

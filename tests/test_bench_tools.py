@@ -438,3 +438,10 @@ def test_the_kv_dtype_table_reports_each_length_and_mode():
     text = kv_dtype.table(result)
     assert "| 455-520 | greedy plain | 2000 | 3000 | 1.50x | 1.10x | 3/4 | 17 | 4.2e-04 |" in text
     assert "Test CPU" in text
+
+
+def test_first_divergence_names_where_two_outputs_part():
+    common = _bench_module("common")
+    assert common.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert common.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert common.first_divergence([1, 2], [1, 2, 3]) == 2  # one extends the other: not the same output
