@@ -15,7 +15,8 @@
 // K/V are bit-identical to what plain one-token decoding computes for the same token (the
 // speculative strategies' exactness rests on this). Weights whose values float16 holds exactly
 // (checkpoints stored in fp16) are packed as fp16 and widened in registers: same bits, half the
-// bytes streamed.
+// bytes streamed; weights bfloat16 holds exactly (checkpoints stored in bf16, whose small values
+// float16 cannot hold) likewise as bf16.
 //
 // Layout of the caches: k, v (L, B, H, S, D) float32, unit stride over D. Row b's committed slots are
 // [0, starts[b]); the M uncommitted entries sit at [starts[b], starts[b] + M), the new N of this
@@ -113,10 +114,17 @@ using aligned_vector = std::vector<T, CacheLineAllocator<T>>;
 
 enum class Epilogue { kStore, kResidual, kGeluTanh, kGelu, kRelu };
 
+// bfloat16 bits, a type of their own so that a weight stream's element type picks its widening
+// (vloadw); a product packed so holds them in the same 16-bit buffers as float16 bits.
+enum class bf16_t : uint16_t {};
+
 struct PackedLinear {
   int64_t M = 0, K = 0, panels = 0;
-  bool half = false;   // packed as float16 bits
-  bool exact = false;  // every weight is a float16 value (packed as float16 unless told otherwise)
+  bool half = false;   // packed as 16-bit values: float16 bits, or bfloat16 bits where ``brain``
+  bool brain = false;  // packed as bfloat16 bits (weights bfloat16 holds exactly and float16 does not)
+  // Every weight is a float16 value, or (``brain``'s case) a bfloat16 one: 2 bytes each in the
+  // checkpoint, packed so unless told otherwise.
+  bool exact = false;
   // Panels come in groups of at most kPanels, group g holding panels [first[g], first[g + 1]),
   // np of them, stored k-major and interleaved, (K, np, kLanes), so a register block streams one
   // sequential run. The groups are cut within the shares of the ``split`` threads a forward pass
@@ -153,6 +161,7 @@ struct PackedLinear {
     return true;
   }
   const uint16_t* group_h(int64_t g) const { return (wh_base ? wh_base : wh.data()) + offset(g); }
+  const bf16_t* group_b(int64_t g) const { return reinterpret_cast<const bf16_t*>(group_h(g)); }
   const float* group_f(int64_t g) const { return (wf_base ? wf_base : wf.data()) + offset(g); }
   size_t bytes() const { return static_cast<size_t>(panels * K * kLanes) * (half ? 2 : 4); }
   // Bytes of one whole group (kPanels panels): one stream of a register block.
@@ -194,16 +203,23 @@ PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::T
   SE_CHECK(p.M >= 1 && p.K >= 1, name, " is empty");
   p.panels = (p.M + kLanes - 1) / kLanes;
   const float* src = w.data_ptr<float>();
-  bool exact = true;
-  for (int64_t i = 0, n = w.numel(); i < n && exact; ++i) {
+  // float16 where it holds every weight; else bfloat16 where that does (its low 16 bits zero:
+  // widening shifts them back in, exactly); else float32.
+  bool f16 = true, bf16 = true;
+  for (int64_t i = 0, n = w.numel(); i < n && (f16 || bf16); ++i) {
     const float x = src[i];
-    exact = std::isfinite(x) && static_cast<float>(c10::Half(x)) == x;
+    const bool finite = std::isfinite(x);
+    f16 = f16 && finite && static_cast<float>(c10::Half(x)) == x;
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bf16 = bf16 && finite && (bits & 0xFFFFu) == 0;
   }
-  p.exact = exact;
-  p.half = exact = exact && allow_half;
+  p.exact = f16 || bf16;
+  p.half = p.exact && allow_half;
+  p.brain = p.half && !f16;
   cut_groups(p, std::max(1, split));
   const int64_t total = p.panels * p.K * kLanes;
-  if (exact) p.wh.assign(total, 0); else p.wf.assign(total, 0.f);
+  if (p.half) p.wh.assign(total, 0); else p.wf.assign(total, 0.f);
   for (int64_t g = 0; g < p.groups(); ++g) {
     const int64_t np = p.group_panels(g), base = p.packed_offset(g);
     for (int64_t m = p.first[g] * kLanes; m < std::min(p.M, p.first[g + 1] * kLanes); ++m) {
@@ -211,7 +227,17 @@ PackedLinear pack_linear(const torch::Tensor& w_in, const c10::optional<torch::T
       for (int64_t k = 0; k < p.K; ++k) {
         const float x = src[m * p.K + k];
         const int64_t at = base + (k * np + j) * kLanes + lane;
-        if (exact) p.wh[at] = c10::Half(x).x; else p.wf[at] = x;
+        if (!p.half) {
+          p.wf[at] = x;
+        } else if (p.brain) {  // panels in pairs, interleaved (vload_bf16_pair); an odd last one alone
+          uint32_t bits;
+          std::memcpy(&bits, &x, sizeof bits);
+          const int64_t pairs = np / 2 * 2;
+          const int64_t slot = j < pairs ? base + (k * np + (j & ~int64_t(1))) * kLanes + 2 * lane + (j & 1) : at;
+          p.wh[slot] = static_cast<uint16_t>(bits >> 16);
+        } else {
+          p.wh[at] = c10::Half(x).x;
+        }
       }
     }
   }
@@ -237,6 +263,19 @@ inline vec vgelu_tanh(vec x) {
 
 inline vec vloadw(const uint16_t* p) { return vload_h(p); }
 inline vec vloadw(const float* p) { return vload(p); }
+
+// The NP panel vectors of one k of a panel group, widened to float32. bfloat16 groups hold their
+// panels in interleaved pairs and an odd last panel alone (pack_linear).
+template <int NP, typename W>
+inline void load_panels(const W* w, vec (&wv)[NP]) {
+  if constexpr (std::is_same_v<W, bf16_t>) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(w);
+    for (int j = 0; j + 1 < NP; j += 2) vload_bf16_pair(h + j * kLanes, wv[j], wv[j + 1]);
+    if constexpr (NP % 2 == 1) wv[NP - 1] = vload_bf16(h + (NP - 1) * kLanes);
+  } else {
+    for (int j = 0; j < NP; ++j) wv[j] = vloadw(w + j * kLanes);
+  }
+}
 
 // The epilogue of one register block: y rows [r0, r0 + NR) x panels [p0, p0 + NP) from the
 // accumulated x W^T, plus the bias, then ``ep``.
@@ -297,7 +336,7 @@ inline void block(const W* w, int64_t ahead, const PackedLinear& L, const float*
       for (int64_t off = 0; off < NP * kLanes * static_cast<int64_t>(sizeof(W)); off += 64)
         prefetch_weights<_MM_HINT_T0>(reinterpret_cast<const char*>(w) + ahead + off, nta);
     vec wv[NP];
-    for (int j = 0; j < NP; ++j) wv[j] = vloadw(w + j * kLanes);
+    load_panels<NP>(w, wv);
     for (int r = 0; r < NR; ++r) {
       const vec xv = vset1(xr[r][k]);
       for (int j = 0; j < NP; ++j) acc[r][j] = vfma(wv[j], xv, acc[r][j]);
@@ -562,9 +601,16 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
           prefetch_weights<_MM_HINT_T0>(reinterpret_cast<const char*>(ws + off[g]) + ahead + o, nta);
         if (far && (k & 1) == 0) prefetch_weights<_MM_HINT_T1>(reinterpret_cast<const char*>(ws + off[g]) + far, nta);
       }
-      for (int j = 0; j < NP; ++j) {
-        const vec wv = vloadw(ws + off[g] + j * kLanes);
-        for (int r = 0; r < NR; ++r) acc[g][r][j] = vfma(wv, xv[r], acc[g][r][j]);
+      if constexpr (std::is_same_v<W, bf16_t>) {  // the group's panels widened together (load_panels)
+        vec wv[NP];
+        load_panels<NP>(ws + off[g], wv);
+        for (int j = 0; j < NP; ++j)
+          for (int r = 0; r < NR; ++r) acc[g][r][j] = vfma(wv[j], xv[r], acc[g][r][j]);
+      } else {
+        for (int j = 0; j < NP; ++j) {
+          const vec wv = vloadw(ws + off[g] + j * kLanes);
+          for (int r = 0; r < NR; ++r) acc[g][r][j] = vfma(wv, xv[r], acc[g][r][j]);
+        }
       }
     }
   }
@@ -702,12 +748,14 @@ void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y,
                    Epilogue ep, int64_t g0, int64_t g1, bool runs) {
 #if !defined(__AVX512F__)
   if (R <= 3 && runs) {  // one block of 1-3 rows: several groups at once (kGroupsAtOnce)
-    auto runs = [&](auto group) {  // group: &PackedLinear::group_h or group_f
+    auto runs = [&](auto group) {  // group: &PackedLinear::group_h, group_b or group_f
       if (R == 1) few_rows_groups<1>(L, group, x, ldx, y, ldy, ep, g0, g1);
       else if (R == 2) few_rows_groups<2>(L, group, x, ldx, y, ldy, ep, g0, g1);
       else few_rows_groups<3>(L, group, x, ldx, y, ldy, ep, g0, g1);
     };
-    if (L.half) runs(&PackedLinear::group_h); else runs(&PackedLinear::group_f);
+    if (L.brain) runs(&PackedLinear::group_b);
+    else if (L.half) runs(&PackedLinear::group_h);
+    else runs(&PackedLinear::group_f);
     return;
   }
 #else
@@ -721,7 +769,8 @@ void linear_groups(const PackedLinear& L, const float* x, int64_t ldx, float* y,
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t r0 = R * b / blocks;
       const int rows = static_cast<int>(R * (b + 1) / blocks - r0);
-      if (L.half) block_rows(rows, narrow, np, L.group_h(g), L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
+      if (L.brain) block_rows(rows, narrow, np, L.group_b(g), L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
+      else if (L.half) block_rows(rows, narrow, np, L.group_h(g), L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
       else block_rows(rows, narrow, np, L.group_f(g), L.ahead, L, x, ldx, y, ldy, r0, p0, ep);
     }
   }
@@ -1279,8 +1328,18 @@ class NativeGPT2 {
     return static_cast<int64_t>(total);
   }
   bool half() const { return head_.half; }
-  // Bytes of the weights one pass reads at the checkpoint's precision: float16 where every weight
-  // of a product is a float16 value, whether or not it was packed so.
+  // How the products' weights are packed: "float16", "bfloat16" or "float32" where every product
+  // is packed alike, else "mixed" (a checkpoint some of whose products neither holds exactly).
+  std::string weight_format() const {
+    auto name = [](const PackedLinear& L) { return L.brain ? "bfloat16" : L.half ? "float16" : "float32"; };
+    const std::string head = name(head_);
+    for (const auto& b : blocks_)
+      for (const PackedLinear* p : {&b.qkv, &b.proj, &b.fc, &b.mproj})
+        if (name(*p) != head) return "mixed";
+    return head;
+  }
+  // Bytes of the weights one pass reads at the checkpoint's precision: 2 where every weight of a
+  // product is a float16 or every one a bfloat16 value, whether or not it was packed so.
   int64_t checkpoint_bytes() const {
     auto at = [](const PackedLinear& L) { return static_cast<int64_t>(L.panels * L.K * kLanes) * (L.exact ? 2 : 4); };
     int64_t total = at(head_);
@@ -2015,9 +2074,9 @@ void register_native_forward(py::module& m) {
                          "A GPT-2 model packed for the native decode path: one call per forward pass")
       .def(py::init<const torch::Tensor&, const torch::Tensor&, const std::vector<torch::Tensor>&,
                     const torch::Tensor&, const torch::Tensor&, int64_t, double, const std::string&, int64_t, bool>(),
-           "half=False packs float16-valued weights as float32 too: the same values, so the same bits out of "
-           "every pass, read at twice the bytes without widening (faster where the widening, not the weight "
-           "stream, sets a pass's time)",
+           "half=False packs float16- or bfloat16-valued weights as float32 too: the same values, so the same "
+           "bits out of every pass, read at twice the bytes without widening (faster where the widening, not the "
+           "weight stream, sets a pass's time)",
            py::arg("wte"), py::arg("wpe"), py::arg("blocks"), py::arg("ln_f_weight"), py::arg("ln_f_bias"),
            py::arg("n_head"), py::arg("eps"), py::arg("activation"), py::arg("head_rows") = 0, py::arg("half") = true)
       .def("forward", &NativeGPT2::forward, "logits (B, N or 1, V) of N new tokens per row; writes their K/V",
@@ -2035,6 +2094,8 @@ void register_native_forward(py::module& m) {
            "seconds with the form on over off, pairs compared, passes, passes with the form on)", py::arg("rows"))
       .def_property_readonly("weight_bytes", &NativeGPT2::weight_bytes)
       .def_property_readonly("half", &NativeGPT2::half)
+      .def_property_readonly("weight_format", &NativeGPT2::weight_format,
+                             "float16, bfloat16 or float32: how the weights are packed (mixed where products differ)")
       .def_property_readonly("streaming", &NativeGPT2::streaming)
       .def("set_streaming", &NativeGPT2::set_streaming,
            "non-temporal prefetch of the weight streams (for weights that outgrow the last-level cache); "

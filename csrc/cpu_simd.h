@@ -54,6 +54,18 @@ inline vec vload_h_tail(const uint16_t* p, int64_t n) {
   for (int64_t i = 0; i < n; ++i) buf[i] = p[i];
   return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(buf)));
 }
+// bfloat16 weights: the upper halves of float32s, widened by shifting them back (exact).
+inline vec vload_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// Two vectors of bfloat16 weights stored interleaved, a's lane l in the low half of 32-bit word
+// l and b's in its high half: one load, then a shift and a mask, no shuffle.
+inline void vload_bf16_pair(const uint16_t* p, vec& a, vec& b) {
+  const __m512i x = _mm512_loadu_si512(p);
+  a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int64_t kLanes = 8;
 using vec = __m256;
@@ -115,6 +127,15 @@ inline vec vload_h_tail(const uint16_t* p, int64_t n) {
   alignas(16) uint16_t buf[8] = {0};
   for (int64_t i = 0; i < n; ++i) buf[i] = p[i];
   return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+}
+inline vec vload_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void vload_bf16_pair(const uint16_t* p, vec& a, vec& b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 #else
 #error "staged_engine._cpu needs AVX2+FMA+F16C or AVX-512 (built with -march=native)"

@@ -39,3 +39,29 @@ def perturbed_copy(src: str, dst: str, noise: float, seed: int) -> str:
             p.add_(noise * p.std() * torch.randn_like(p))
     model.save_pretrained(dst)
     return dst
+
+
+def bfloat16_copy(src: str, dst: str) -> str:
+    """``src`` stored in bfloat16, as checkpoints trained in bf16 are. Each matrix gets one value
+    bfloat16 holds and float16 cannot (1e-7, below float16's subnormal spacing there), as the tiny
+    weights of a real bf16 checkpoint are, so that it packs as bfloat16 rather than float16."""
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.view(-1)[0] = 1e-7
+    model.to(torch.bfloat16).save_pretrained(dst)
+    return dst
+
+
+def round_weights(model, fmt: str) -> None:
+    """Round a loaded model's weights in place to float16 or bfloat16 values (kept in float32),
+    as a checkpoint stored at that precision holds. For bfloat16 each matrix also gets one value
+    float16 cannot hold (see ``bfloat16_copy``)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if fmt == "bfloat16" and p.dim() == 2:
+                p.view(-1)[0] = 1e-7
+            p.copy_(p.to(torch.float16 if fmt == "float16" else torch.bfloat16).float())

@@ -115,10 +115,10 @@ def native_build() -> dict:
 def profile_key(model, backend) -> dict:
     """Everything the figures depend on; a cached profile is used only when all of it matches."""
     native = bool(getattr(backend, "native", False))
-    packed = backend.native_rows(model) if native else None  # float16 or float32 weights: their speeds differ
+    packed = backend.native_rows(model) if native else None  # float16, bfloat16 or float32 weights: their speeds differ
     return {"schema": SCHEMA, "model": model_fingerprint(model), "backend": backend.name,
             "native": native, **(native_build() if native else {}),
-            **({"packed_half": packed.half, "streaming": packed.streaming} if packed is not None else {}),
+            **({"packed": packed.weight_format, "streaming": packed.streaming} if packed is not None else {}),
             # whether passes of many rows may take a float32 packing (TorchBackend.wide_rows); not
             # the row count they take it from, which is measured at load and moves a little from
             # load to load (a second load must find its profile)

@@ -16,6 +16,8 @@ from staged_engine.model.backend import TorchBackend, _cpu
 from staged_engine.model.checkpoint import load_model
 from staged_engine.model.runner import ModelRunner
 
+from ckpt_util import bfloat16_copy, round_weights
+
 pytestmark = pytest.mark.skipif(_cpu is None or not hasattr(_cpu, "NativeGPT2"),
                                 reason="the _cpu extension is not built")
 
@@ -104,18 +106,25 @@ def test_rows_do_not_change_a_rows_bits(checkpoints, name, request):
         assert torch.equal(tree[[0, 2, 3]], path)
 
 
-@pytest.mark.parametrize("name", NAMES + ["head64", "wide80"])
+@pytest.mark.parametrize("name", NAMES + ["head64", "wide80", "bf16"])
 def test_native_matches_transformers(checkpoints, name, request):
+    """40 rows and one row at a time against HF in float32 (``bf16``: a checkpoint stored in
+    bfloat16, widened to float32 at load by both, and packed as bfloat16 by the native path)."""
     from transformers import GPT2LMHeadModel
 
     path = _checkpoint(checkpoints, request, name)
     model = load_model(path)
+    backend = TorchBackend(native=True, wide_weights=False)
+    assert backend.native_model(model).weight_format == ("bfloat16" if name == "bf16" else "float32")
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
-    runner = ModelRunner(model, TorchBackend(native=True))
     with torch.inference_mode():
-        ours = runner.forward_nodes(ids[0].tolist(), list(range(40)), None)  # 40 rows: the native path
-        ref = GPT2LMHeadModel.from_pretrained(path).eval()(ids).logits[0]
+        ours = ModelRunner(model, backend).forward_nodes(ids[0].tolist(), list(range(40)), None)
+        one = ModelRunner(model, backend)
+        one.prefill(ids[0, :30].tolist())
+        steps = torch.stack([one.step(t) for t in ids[0, 30:].tolist()])
+        ref = GPT2LMHeadModel.from_pretrained(path, dtype=torch.float32).eval()(ids).logits[0]
     assert ((ours - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    assert ((steps - ref[30:]).abs().max() / ref.abs().max()).item() <= 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +136,12 @@ def head64(tmp_path_factory) -> str:
 
     return make_hf_checkpoint(str(tmp_path_factory.mktemp("head64") / "m"), seed=5, vocab_size=301,
                               n_positions=96, n_embd=128, n_layer=2, n_head=2)
+
+
+@pytest.fixture(scope="module")
+def bf16(checkpoints, tmp_path_factory) -> str:
+    """odd96 stored in bfloat16 (``bfloat16_copy``)."""
+    return bfloat16_copy(checkpoints["odd96"], str(tmp_path_factory.mktemp("bf16") / "m"))
 
 
 @pytest.fixture(scope="module")
@@ -207,26 +222,26 @@ def narrow(request):
         _cpu.set_group_runs("auto")
 
 
-@pytest.mark.parametrize("weights", ["fp16-exact", "fp32"])
+@pytest.mark.parametrize("weights", ["fp16-exact", "bf16-exact", "fp32"])
 @pytest.mark.parametrize("name", ["odd96", "head64"])
 def test_every_register_block_shape_gives_one_token_bits(checkpoints, head64, name, weights, narrow):
     """Chains of 2-40 rows cover every row-block split (one block of up to 6 rows, uneven blocks
-    such as 3 + 4, many blocks) over fp16 weights widened in registers and over fp32 weights:
-    each row's logits and K/V are the bits of one-token decoding on 2 threads, and within 1e-5
-    of stock torch. With one to three rows in 256-bit halves (``narrow``), the one-token pass and
+    such as 3 + 4, many blocks) over fp16 and bf16 weights widened in registers and over fp32
+    weights: each row's logits and K/V are the bits of one-token decoding on 2 threads, and within 1e-5
+    of stock torch. (bf16 groups hold their panels in interleaved pairs: odd96's groups of 3
+    panels on 2 AVX-512 threads end in one alone, head64's of 4 do not.) With one to three rows in 256-bit halves (``narrow``), the one-token pass and
     the chains of two and three rows (and the 3 of 3 + 4) take the narrow blocks and the rest the
     512-bit ones, so their bits must agree across the two forms; so must blocks of one to three
     rows over several panel groups at once (AVX2 builds) and over one (``one_group``)."""
     model = load_model(head64 if name == "head64" else checkpoints[name])
-    if weights == "fp16-exact":
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(p.half().float())
+    fmt = {"fp16-exact": "float16", "bf16-exact": "bfloat16", "fp32": "float32"}[weights]
+    if fmt != "float32":
+        round_weights(model, fmt)
 
-    def TorchBackend(native):  # float16 values streamed as float16 (not the faster packing, if timed so)
+    def TorchBackend(native):  # 16-bit values streamed as such (not the faster packing, if timed so)
         return _Backend(native=native, wide_weights=False)
 
-    assert TorchBackend(native=True).native_model(model).half == (weights == "fp16-exact")
+    assert TorchBackend(native=True).native_model(model).weight_format == fmt
     g = torch.Generator().manual_seed(4)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (9,), generator=g).tolist()
@@ -340,16 +355,43 @@ def test_fp16_exact_weights_are_streamed_as_fp16(checkpoints):
     assert not TorchBackend(native=True, wide_weights=False).native_model(model).half
 
 
-@pytest.mark.parametrize("name", ["odd96", "head64"])
-def test_fp16_exact_weights_packed_as_fp32_give_the_same_bits(checkpoints, head64, name):
-    """The float32 packing of float16-valued weights (``wide_weights``, or where it timed faster)
-    reads the same values: one-token decoding and a 7-row chain give the bits of the float16
-    packing, logits and K/V; it streams twice the bytes, and the checkpoint's bytes stay those
-    of float16. Left to the backend, either packing is chosen and the choice is recorded."""
-    model = load_model(head64 if name == "head64" else checkpoints[name])
+def test_bf16_exact_weights_are_streamed_as_bf16(checkpoints):
+    """A checkpoint whose values bfloat16 holds, some of which float16 cannot (stored in bf16),
+    is packed as bfloat16, half the bytes, and matches stock torch. float16 comes first where it
+    holds a product's every value, so a model whose products differ is "mixed"; a value neither
+    holds keeps its product in fp32."""
+    model = load_model(checkpoints["odd96"])
+    round_weights(model, "bfloat16")
+    native = TorchBackend(native=True, wide_weights=False).native_model(model)
+    assert native.half and native.weight_format == "bfloat16"
+    assert native.checkpoint_bytes == native.weight_bytes
+    ids, pos = [5, 9, 2, 7], [0, 1, 2, 3]
+    with torch.inference_mode():
+        got = ModelRunner(model, TorchBackend(native=True, wide_weights=False)).forward_nodes(ids, pos, None)
+        ref = ModelRunner(model, TorchBackend(native=False)).forward_nodes(ids, pos, None)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    fc = model._layer_tensors()[0][8]
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.half().float())
+        fc.copy_(fc.half().float())  # float16 values (and so bfloat16's too, most of them: not all)
+    assert TorchBackend(native=True, wide_weights=False).native_model(model).weight_format == "mixed"
+    with torch.no_grad():
+        model.wte.weight[0, 1] += 1e-6  # neither's value: the LM head in fp32, the layers still 16-bit
+    native = TorchBackend(native=True, wide_weights=False).native_model(model)
+    assert not native.half and native.weight_format == "mixed"
+    assert native.checkpoint_bytes == native.weight_bytes  # that value makes the head 4 bytes a weight in both
+
+
+@pytest.mark.parametrize("fmt", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["odd96", "head64", "wide80"])
+def test_16_bit_weights_packed_as_fp32_give_the_same_bits(checkpoints, head64, wide80, name, fmt):
+    """The float32 packing of float16- or bfloat16-valued weights (``wide_weights``, or where it
+    timed faster) reads the same values: one-token decoding and a 7-row chain give the bits of the
+    16-bit packing, logits and K/V; it streams twice the bytes, and the checkpoint's bytes stay
+    those of 16 bits. Left to the backend, either packing is chosen and the choice is recorded.
+    (wide80's products of 5 panels are cut into groups of 2 and 3 on 2 threads, 4 and 1 on one:
+    bf16 pairs with a panel alone at the end of a group.)"""
+    model = load_model({"head64": head64, "wide80": wide80}.get(name) or checkpoints[name])
+    round_weights(model, fmt)
     g = torch.Generator().manual_seed(6)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (9,), generator=g).tolist()
@@ -358,7 +400,7 @@ def test_fp16_exact_weights_packed_as_fp32_give_the_same_bits(checkpoints, head6
     for wide in (False, True):
         backend = TorchBackend(native=True, wide_weights=wide)
         native = backend.native_model(model)
-        assert native.half != wide
+        assert native.half != wide and native.weight_format == ("float32" if wide else fmt)
         assert native.weight_bytes == (2 if wide else 1) * native.checkpoint_bytes
         with torch.inference_mode():
             runner = ModelRunner(model, backend)
@@ -374,7 +416,7 @@ def test_fp16_exact_weights_packed_as_fp32_give_the_same_bits(checkpoints, head6
     auto = TorchBackend(native=True)
     native = auto.native_model(model)
     how = auto.packing[id(model)]
-    assert how["packed"] == ("float16" if native.half else "float32")
+    assert how["packed"] == native.weight_format == (fmt if native.half else "float32")
     assert how["why"] == "timed" or "outgrows" in how["why"] or "unknown" in how["why"]
 
 
