@@ -1,4 +1,4 @@
-"""The benchmark plumbing: the progress bar's log output and the PNG plots (no models loaded)."""
+"""The benchmark plumbing: the progress bar's log output, the PNG plots, the benches' tables and arguments (test models at most)."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,6 +7,9 @@ import os
 import sys
 
 import pytest
+import torch
+
+from staged_engine.model.backend import _cpu
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
@@ -445,3 +448,49 @@ def test_first_divergence_names_where_two_outputs_part():
     assert common.first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert common.first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert common.first_divergence([1, 2], [1, 2, 3]) == 2  # one extends the other: not the same output
+
+
+@pytest.mark.parametrize("argv,needle", [(["--repeats", "0"], "--repeats must be >= 1"),
+                                         (["--blocks", "1"], "--blocks must be >= 2"),
+                                         (["--limit", "0"], "--limit must be >= 1")])
+def test_the_weight_formats_bench_refuses_bad_arguments_by_name(argv, needle):
+    weight_formats = _bench_module("weight_formats")
+    with pytest.raises(ValueError, match=needle):
+        weight_formats.main(argv)
+
+
+@pytest.mark.skipif(_cpu is None, reason="the packings are the native CPU pass's")
+def test_the_weight_formats_bench_packs_each_form_as_it_names_it(checkpoints):
+    """The bf16 copy holds bfloat16 values within bfloat16's rounding of the original, leaves the
+    original alone, and its forms pack as float16, bfloat16 and float32 (checked by ``forms``)."""
+    from staged_engine.model.checkpoint import load_model
+
+    weight_formats = _bench_module("weight_formats")
+    model = load_model(checkpoints["odd96"])
+    before = model.wte.weight.clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())  # as stored in fp16, as the demo pair is
+    fs = weight_formats.forms(model)
+    assert list(fs) == list(weight_formats.FORMS)
+    copy = fs["bfloat16"][0]
+    assert copy is fs["bfloat16 as float32"][0] and copy is not model
+    w = copy.wte.weight
+    assert torch.equal(w, w.bfloat16().float()) and w.view(-1)[0].item() == pytest.approx(1e-7, rel=1e-2)
+    assert torch.allclose(w.view(-1)[1:], model.wte.weight.view(-1)[1:], rtol=2 ** -8, atol=0)
+    assert torch.equal(model.wte.weight, before.half().float())
+
+
+def test_the_weight_formats_table_reports_each_model_and_row_count():
+    weight_formats = _bench_module("weight_formats")
+    us = {"float16": 150.0, "bfloat16": 140.0, "bfloat16 as float32": 420.0}
+    result = {"machine": {"cpu": "Test CPU", "isa": "avx2"}, "threads": 2, "repeats": 3, "new_tokens": 128,
+              "passes": {"oracle": {"rows": {"2": {"pass_us": us, "bfloat16_speedup_over_float32": 3.0,
+                                                   "bfloat16_over_float16": 0.93}}}},
+              "decode": {"tokens_per_s": {"float16": 5000.0, "bfloat16": 5100.0, "bfloat16 as float32": 2000.0},
+                         "bfloat16_speedup_over_float32": 2.55, "bfloat16_over_float16": 1.02,
+                         "bfloat16_packings_same_output": 8, "prompts": 8}}
+    text = weight_formats.table(result)
+    assert "| oracle | 2 | 150.0 | 140.0 | 420.0 | 3.00x | 0.93x |" in text
+    assert "| 5000 | 5100 | 2000 | 2.55x | 1.02x | 8/8 |" in text
+    assert "Test CPU" in text

@@ -21,6 +21,7 @@ BENCHES = {
     "linear": "linear.py",  # the native linear kernel alone against its bounds, 1-64 rows
     "working-set": "working_set.py",  # a pass against its context and after the other model's
     "kv-dtype": "kv_dtype.py",  # the oracle's K/V cache in float16 against float32, short and long contexts
+    "weight-formats": "weight_formats.py",  # a bf16 checkpoint packed bfloat16 against float32, and float16
     "idle-gap": "idle_gap.py",  # a forward pass after idle time, against the same pass back to back
     "widening": "widening.py",  # what a row costs over float16 weights: F16C's widening against the FMAs
     "plots": "plots.py",  # PNG plots of bench/results/*.json (needs matplotlib)
