@@ -254,6 +254,19 @@ def hf_tokens_per_s(path: str, tokens: int = 128) -> float:
     return statistics.median(runs)
 
 
+LLAMA_TYPES = {"float16": "f16", "bfloat16": "bf16"}  # llama.cpp's converter's --outtype at the same precision
+
+
+def stored_format(model) -> str:
+    """The precision the checkpoint's matrices hold: float16 or bfloat16 where every one of their
+    values is one (float16 first), else float32."""
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    for name, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+        if all(torch.equal(p, p.to(dtype).float()) for p in mats):
+            return name
+    return "float32"
+
+
 def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: float | None = None) -> dict:
     from staged_engine.model.backend import TorchBackend
     from staged_engine.model.checkpoint import load_model
@@ -265,6 +278,7 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
     # the engine packed them (float32 where that ran faster here: TorchBackend._pack).
     nbytes = native.checkpoint_bytes
     half = nbytes < native.weight_bytes or native.half
+    stored = stored_format(model)
     progress(f"{name}: {model.config.num_params / 1e6:.1f}M params, {nbytes / 1e6:.1f} MB of weights a token")
     # ``rounds`` rounds of every measurement, one after the other: a shared VM's speed drifts by
     # tens of percent over minutes, so the figures are medians over rounds and the bounds use the
@@ -280,7 +294,7 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
             import llamacpp
 
             try:
-                r["llama_cpp"] = llamacpp.llama_bench(path, "f16" if half else "f32", torch.get_num_threads())
+                r["llama_cpp"] = llamacpp.llama_bench(path, LLAMA_TYPES.get(stored, "f32"), torch.get_num_threads())
             except llamacpp.LlamaCppUnavailable as exc:
                 r["llama_cpp"] = {"unavailable": str(exc)}
                 progress(f"  llama.cpp unavailable: {exc}")
@@ -290,9 +304,9 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
     curve = {n: med(r["curve"][n] for r in raw) for n in raw[0]["curve"]}
     bound_bw, bound_dram = nbytes / bw, nbytes / dram_bw
     flop_per_node = 2 * nbytes / (2 if half else 4)
-    # The widening bound: the packed float16 bytes at the rate this CPU widens them alone (None
-    # for weights packed float32, which are not widened).
-    bound_widen = native.weight_bytes / widen if widen and native.half else None
+    # The widening bound: the packed float16 bytes at the rate this CPU widens them alone (F16C;
+    # None for weights packed otherwise: float32 is not widened, bfloat16 by a shift).
+    bound_widen = native.weight_bytes / widen if widen and native.weight_format == "float16" else None
     cfg = model.config
     nodes = {}
     for n, t in curve.items():
@@ -306,7 +320,7 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
     # reads that drift as the engine's).
     paired = [nbytes / r["bw"] / r["ms"] for r in raw]
     row = {"path": path, "params": model.config.num_params, "weight_bytes": nbytes,
-           "weights": "float16" if half else "float32", "packed_as": "float16" if native.half else "float32",
+           "weights": stored, "packed_as": native.weight_format,
            "packing": backend.packing.get(id(model)), "rounds": args.rounds,
            "read_bandwidth_at_weight_size_GBps": bw / 1e9, "ms_per_token": ms * 1e3,
            "ms_per_token_rounds": [r["ms"] * 1e3 for r in raw],
