@@ -273,6 +273,11 @@ def render() -> str:
         if r:
             parts += section_generic(f"The oracle's K/V cache in float16, {when} (`staged-engine bench kv-dtype "
                                      f"--out {name}`)", r, name)
+    r = _load("weight_formats.json")
+    if r:
+        parts += section_generic("A checkpoint stored in bfloat16: packed as bfloat16 against float32 "
+                                 "(`staged-engine bench weight-formats`)", r, "weight_formats.json")
+        parts += _plot("weight_formats.png", "pass time over 1-8 rows: float16, bfloat16 and bfloat16 packed as float32")
     r = _load("linear_cpu.json")
     if r:
         parts += section_generic("The native linear kernel alone: what bounds an N-node pass "
