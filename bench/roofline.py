@@ -1,7 +1,7 @@
 """Roofline of the decode path, per model, everything measured in one run on this machine.
 
 For each model (the demo oracle, the demo draft, a GPT-2-small-shaped checkpoint with random
-fp16 weights, or ``--models DIR ...``):
+fp16 weights, or ``--models DIR ...``; ``--bf16`` adds the demo oracle stored in bfloat16):
 
 - plain decoding, ms per token (forward passes only, as plain decoding runs them: greedy steps
   in native calls of 8, the median over 16 calls of their passes' seconds per step, after a
@@ -25,7 +25,8 @@ fp16 weights, or ``--models DIR ...``):
   them overlapping);
 - plain decoding tokens/s through the Engine against HF transformers ``generate`` (greedy, fp32)
   and against **llama.cpp** (``llama-bench -p 0 -n 128``) on the same checkpoint converted to
-  GGUF at the same precision (f16 when the weights are fp16-exact), same thread count. llama.cpp is
+  GGUF at the same precision (f16 when the weights are fp16-exact, bf16 when bf16-exact), same
+  thread count. llama.cpp is
   built once from the llama-cpp-python source package (bench/llamacpp.py); if it cannot be built
   or run here, the result says why and the rest is still measured.
 
@@ -142,6 +143,36 @@ def gpt2_small_checkpoint(tokenizer_from: str) -> str:
         model = GPT2LMHeadModel(GPT2Config(bos_token_id=0, eos_token_id=0, **GPT2_SMALL)).eval().half()
         model.save_pretrained(path + ".tmp")
         shutil.copy(os.path.join(tokenizer_from, "tokenizer.json"), os.path.join(path + ".tmp", "tokenizer.json"))
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def bf16_checkpoint(src: str) -> str:
+    """``src`` stored in bfloat16, with its tokenizer, in the cache directory (named by a hash of
+    its weights, so a retrained demo pair gets a new copy): each matrix rounded to bfloat16, its
+    first value set to 1e-7 (a bf16 checkpoint's tiniest weights are not float16 values; with one
+    such value a product packs as bfloat16, not float16)."""
+    import hashlib
+
+    from staged_engine.demo_pair import cache_dir as engine_cache
+
+    with open(os.path.join(src, "model.safetensors"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    path = os.path.join(engine_cache(), f"{os.path.basename(os.path.normpath(src))}-bf16-{digest}")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        from transformers import GPT2LMHeadModel
+
+        progress(f"making a bfloat16 copy of {src} ...")
+        model = GPT2LMHeadModel.from_pretrained(src, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.view(-1)[0] = 1e-7
+        model.to(torch.bfloat16).save_pretrained(path + ".tmp")
+        if os.path.isfile(os.path.join(src, "tokenizer.json")):  # llama.cpp's converter needs it
+            shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(path + ".tmp", "tokenizer.json"))
+        if os.path.isdir(path):
+            shutil.rmtree(path)
         os.replace(path + ".tmp", path)
     return path
 
@@ -375,7 +406,8 @@ def table(result: dict) -> str:
             f"| {name} ({r['params'] / 1e6:.1f}M) | {r['weight_bytes'] / 1e6:.1f} MB {r['weights']} | "
             f"{r['read_bandwidth_at_weight_size_GBps']:.0f} GB/s | {r['ms_per_token']:.3f} | {r['bound_ms']:.3f} | "
             f"{r['share_of_bound']:.0%} | {_pct(r.get('share_of_bound_paired'))} | {r['share_of_dram_bound']:.0%} | "
-            + (f"{r['widening_bound_ms']:.3f} | " if r.get("widening_bound_ms") else "none (fp32) | ")
+            + (f"{r['widening_bound_ms']:.3f} | " if r.get("widening_bound_ms")
+               else f"none ({r.get('packed_as', 'float32')}) | ")
             + f"{_num(eng)} | {_num(r.get('hf_tokens_per_s'))} | "
             + (f"{lc_ts:.0f} | {r.get('engine_vs_llama_cpp', eng / lc_ts):.2f}x |" if lc_ts and eng else f"n/a ({lc.get('unavailable', 'not run')[:80]}) | |"))
     lines += ["", f"N-node pass time over max(bandwidth bound, compute bound), a tree below a {PREFIX}-token prefix; "
@@ -438,6 +470,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="*", help="checkpoint directories (default: demo oracle, demo draft, "
                                                 "a GPT-2-small-shaped random fp16 checkpoint)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also the demo oracle stored in bfloat16 (its weights rounded; made once in the cache "
+                         "directory): the engine's bfloat16 packing against llama.cpp's bf16")
     ap.add_argument("--threads", type=int, default=2, help="threads for every system (default 2)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (its first build takes minutes)")
     ap.add_argument("--no-hf", action="store_true", help="skip the engine and HF generate comparison")
@@ -464,6 +499,8 @@ def main(argv=None) -> int:
     models = checkpoint_dirs(args.models, lambda: {
         "demo oracle": os.path.join(DEMO_DIR, "oracle"), "demo draft": os.path.join(DEMO_DIR, "draft"),
         "GPT-2-small shape": gpt2_small_checkpoint(os.path.join(DEMO_DIR, "oracle"))})
+    if args.bf16:
+        models["demo oracle, bf16 copy"] = bf16_checkpoint(os.path.join(DEMO_DIR, "oracle"))
     progress("measuring DRAM read bandwidth and the GEMM rate ...")
     dram = max(read_bandwidth(512 << 20) for _ in range(args.rounds))
     rate = max(gemm_rate() for _ in range(args.rounds))

@@ -494,3 +494,23 @@ def test_the_weight_formats_table_reports_each_model_and_row_count():
     assert "| oracle | 2 | 150.0 | 140.0 | 420.0 | 3.00x | 0.93x |" in text
     assert "| 5000 | 5100 | 2000 | 2.55x | 1.02x | 8/8 |" in text
     assert "Test CPU" in text
+
+
+@pytest.mark.skipif(_cpu is None, reason="the packings are the native CPU pass's")
+def test_the_roofline_s_bf16_copy_is_stored_in_bfloat16_and_made_once(checkpoints):
+    """``--bf16``'s checkpoint: saved in bfloat16, read back as bfloat16 values (and not all float16
+    ones), so it packs as bfloat16 and llama.cpp converts it at bf16; a second call reuses it."""
+    from staged_engine.model.backend import TorchBackend
+    from staged_engine.model.checkpoint import load_model
+
+    roofline = _bench_module("roofline")
+    path = roofline.bf16_checkpoint(checkpoints["odd96"])
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    model = load_model(path)
+    assert roofline.stored_format(model) == "bfloat16" and roofline.LLAMA_TYPES["bfloat16"] == "bf16"
+    assert roofline.stored_format(load_model(checkpoints["odd96"])) == "float32"
+    assert TorchBackend(native=True, wide_weights=False).native_model(model).weight_format == "bfloat16"
+    stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
+    assert roofline.bf16_checkpoint(checkpoints["odd96"]) == path
+    assert os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
