@@ -273,6 +273,11 @@ def render() -> str:
         if r:
             parts += section_generic(f"The oracle's K/V cache in float16, {when} (`staged-engine bench kv-dtype "
                                      f"--out {name}`)", r, name)
+    r = _load("roofline_bf16.json")
+    if r:
+        parts += section_generic("The demo oracle stored in bfloat16 against llama.cpp's bf16 (`staged-engine bench "
+                                 "roofline --models staged_engine/assets/demo/oracle --bf16 --rounds 5 --out "
+                                 "roofline_bf16.json`)", r, "roofline_bf16.json")
     r = _load("weight_formats.json")
     if r:
         parts += section_generic("A checkpoint stored in bfloat16: packed as bfloat16 against float32 "
