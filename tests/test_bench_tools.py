@@ -208,7 +208,9 @@ def test_the_roofline_table_shows_the_widening_bound_of_fp16_packed_models_only(
               "models": {"oracle": _roofline_model(0.911, 0.625), "draft": _roofline_model(0.076, None)}}
     text = roofline.table(result)
     assert "float16 widened to float32 at 26.9 GB/s" in text
-    assert "| 87% | 0.625 |" in text and "| 87% | none (fp32) |" in text
+    assert "| 87% | 0.625 |" in text and "| 87% | none (float32) |" in text
+    result["models"]["draft"]["packed_as"] = "bfloat16"  # 16-bit, widened by a shift: no F16C bound either
+    assert "| 87% | none (bfloat16) |" in roofline.table(result)
     widened = text.split("widening bound + compute bound")[1]
     assert "| oracle | 0.51 | 0.52 |" in widened and "| draft |" not in widened
     # passes from the row count the model takes its float32 packing at are marked
