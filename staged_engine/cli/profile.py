@@ -25,13 +25,18 @@ def run(args, engine) -> int:
         how = engine.profile_sources.get(which, "cached")
         key = profile_key(getattr(engine, which), engine.backend)
         path = profile_path(key)
-        label = which + (f" ({key['kv_dtype']} K/V cache)" if "kv_dtype" in key else "")
+        # What the figures were measured over: the weights' packing on the native path (float16,
+        # bfloat16 or float32: their speeds differ) and a float16 K/V cache.
+        notes = ([f"weights packed {key['packed']}"] if "packed" in key else []) + \
+            ([f"{key['kv_dtype']} K/V cache"] if "kv_dtype" in key else [])
+        label = which + (f" ({', '.join(notes)})" if notes else "")
         print(f"\n{label}: {how}" + (f" in {prof.measured_in:.2f} s" if how != "cached" else "") + f"  [{path}]")
         print("  nodes " + " ".join(f"{n:>7d}" for n in prof.nodes))
         for ctx, row in zip(prof.contexts, prof.seconds):
             print(f"  ctx {ctx:<4d}" + " ".join(f"{1e3 * s:7.3f}" for s in row) + "  ms")
         out[which] = {"contexts": list(prof.contexts), "nodes": list(prof.nodes), "seconds": prof.seconds,
-                      "source": how, "path": path, "kv_dtype": key.get("kv_dtype")}
+                      "source": how, "path": path, "kv_dtype": key.get("kv_dtype"),
+                      "packed": key.get("packed")}
     if args.json:
         json.dump({"machine": ident, "models": out}, sys.stdout, indent=1)
         print()

@@ -805,19 +805,25 @@ def test_a_pinned_shape_too_big_for_the_window_is_refused(engine, kw, option):
 
 def test_profile_command_measures_then_reads_the_cache(pair, cache, capsys, tmp_path):
     from staged_engine.cli.main import main
+    from staged_engine.model.backend import _cpu
 
     oracle, draft = pair
     assert main(["profile", "--oracle", oracle, "--draft", draft, "--json"]) == 0
     out = capsys.readouterr().out
-    assert "oracle: measured" in out and "draft: measured" in out and out.startswith("machine: ")
+    # The test pair's weights are float32 values: packed float32 on the native path.
+    packed = "weights packed float32" if _cpu is not None else None
+    name = (lambda role, *notes: f"{role} ({', '.join(n for n in (packed, *notes) if n)})"
+            if packed or notes else role)
+    assert f"{name('oracle')}: measured" in out and f"{name('draft')}: measured" in out and out.startswith("machine: ")
     payload = json.loads(out[out.index("{"):])
     assert set(payload["models"]) == {"oracle", "draft"} and payload["machine"]["cores"] >= 1
+    assert payload["models"]["oracle"]["packed"] == ("float32" if packed else None)
     assert main(["profile", "--oracle", oracle, "--draft", draft]) == 0
-    assert "oracle: cached" in capsys.readouterr().out
+    assert f"{name('oracle')}: cached" in capsys.readouterr().out
     # A float16 K/V cache is another profile, named as such; the draft's stays the one above.
     assert main(["profile", "--oracle", oracle, "--draft", draft, "--kv-dtype", "float16"]) == 0
     out = capsys.readouterr().out
-    assert "oracle (float16 K/V cache): measured" in out and "draft: cached" in out
+    assert f"{name('oracle', 'float16 K/V cache')}: measured" in out and f"{name('draft')}: cached" in out
     plot = tmp_path / "cost.png"
     pytest.importorskip("matplotlib")
     assert main(["profile", "--oracle", oracle, "--plot", str(plot)]) == 0
