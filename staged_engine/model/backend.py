@@ -354,7 +354,8 @@ class TorchBackend(Backend):
             if not self._warned_dtype:
                 self._warned_dtype = True
                 warnings.warn(f"the native decode path runs float32 models; this one is {model.wte.weight.dtype}, "
-                              "so it runs on stock torch kernels (load it with dtype=torch.float32 for the fast path)",
+                              "so it runs on stock torch kernels (load it with dtype=torch.float32 for the fast path: weights "
+                              "that are float16 or bfloat16 values are still streamed at 2 bytes each)",
                               stacklevel=2)
             return None
         mask = tree_mask.contiguous() if tree_mask is not None else None
