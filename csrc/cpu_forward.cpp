@@ -606,11 +606,19 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
           prefetch_weights<_MM_HINT_T0>(reinterpret_cast<const char*>(ws + off[g]) + ahead + o, nta);
         if (far && (k & 1) == 0) prefetch_weights<_MM_HINT_T1>(reinterpret_cast<const char*>(ws + off[g]) + far, nta);
       }
-      if constexpr (std::is_same_v<W, bf16_t>) {  // the group's panels widened together (load_panels)
-        vec wv[NP];
-        load_panels<NP>(ws + off[g], wv);
-        for (int j = 0; j < NP; ++j)
-          for (int r = 0; r < NR; ++r) acc[g][r][j] = vfma(wv[j], xv[r], acc[g][r][j]);
+      if constexpr (std::is_same_v<W, bf16_t>) {
+        // The group's pair of panels widened together (pack_linear's interleaved pairs). Two named
+        // vectors, not load_panels' array: with that, GCC kept every accumulator on the stack
+        // (the AVX2 build's one-row passes over the demo oracle's weights in bf16 took 1.5x
+        // float16's).
+        static_assert(NP == 2, "bfloat16 panel groups of several runs are pairs");
+        const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + off[g]));
+        const vec w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+        const vec w1 = _mm256_castsi256_ps(_mm256_and_si256(pair, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+        for (int r = 0; r < NR; ++r) {
+          acc[g][r][0] = vfma(w0, xv[r], acc[g][r][0]);
+          acc[g][r][1] = vfma(w1, xv[r], acc[g][r][1]);
+        }
       } else {
         for (int j = 0; j < NP; ++j) {
           const vec wv = vloadw(ws + off[g] + j * kLanes);
