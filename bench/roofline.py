@@ -1,7 +1,7 @@
 """Roofline of the decode path, per model, everything measured in one run on this machine.
 
 For each model (the demo oracle, the demo draft, a GPT-2-small-shaped checkpoint with random
-fp16 weights, or ``--models DIR ...``; ``--bf16`` adds the demo oracle stored in bfloat16):
+fp16 weights, or ``--models DIR ...``; ``--bf16`` adds a copy of each stored in bfloat16):
 
 - plain decoding, ms per token (forward passes only, as plain decoding runs them: greedy steps
   in native calls of 8, the median over 16 calls of their passes' seconds per step, after a
@@ -471,7 +471,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="*", help="checkpoint directories (default: demo oracle, demo draft, "
                                                 "a GPT-2-small-shaped random fp16 checkpoint)")
     ap.add_argument("--bf16", action="store_true",
-                    help="also the demo oracle stored in bfloat16 (its weights rounded; made once in the cache "
+                    help="also each model stored in bfloat16 (its weights rounded; made once in the cache "
                          "directory): the engine's bfloat16 packing against llama.cpp's bf16")
     ap.add_argument("--threads", type=int, default=2, help="threads for every system (default 2)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (its first build takes minutes)")
@@ -500,7 +500,7 @@ def main(argv=None) -> int:
         "demo oracle": os.path.join(DEMO_DIR, "oracle"), "demo draft": os.path.join(DEMO_DIR, "draft"),
         "GPT-2-small shape": gpt2_small_checkpoint(os.path.join(DEMO_DIR, "oracle"))})
     if args.bf16:
-        models["demo oracle, bf16 copy"] = bf16_checkpoint(os.path.join(DEMO_DIR, "oracle"))
+        models.update({f"{name}, bf16 copy": bf16_checkpoint(path) for name, path in list(models.items())})
     progress("measuring DRAM read bandwidth and the GEMM rate ...")
     dram = max(read_bandwidth(512 << 20) for _ in range(args.rounds))
     rate = max(gemm_rate() for _ in range(args.rounds))
