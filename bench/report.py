@@ -278,6 +278,12 @@ def render() -> str:
         parts += section_generic("The demo oracle stored in bfloat16 against llama.cpp's bf16 (`staged-engine bench "
                                  "roofline --models staged_engine/assets/demo/oracle --bf16 --rounds 5 --out "
                                  "roofline_bf16.json`)", r, "roofline_bf16.json")
+    r = _load("roofline_bf16_gpt2small.json")
+    if r:
+        parts += section_generic("The GPT-2-small shape and its bfloat16 copy against llama.cpp's f16 and bf16 "
+                                 "(`staged-engine bench roofline --models ~/.cache/staged-engine/gpt2-small-shaped-"
+                                 "random-fp16 --bf16 --rounds 5 --out roofline_bf16_gpt2small.json`)", r,
+                                 "roofline_bf16_gpt2small.json")
     r = _load("weight_formats.json")
     if r:
         parts += section_generic("A checkpoint stored in bfloat16: packed as bfloat16 against float32 "
