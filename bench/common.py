@@ -129,6 +129,20 @@ def checkpoint_dirs(paths: list[str] | None, defaults) -> dict[str, str]:
     return models
 
 
+def run_main(main) -> int:
+    """A bench script's exit code from ``main()``: bad arguments (ValueError, a missing file) end
+    in one line naming the script and the problem, exit code 2, as ``staged-engine`` itself
+    does, not in a traceback; ^C in 130."""
+    name = os.path.basename(sys.argv[0]) or "bench"
+    try:
+        return main() or 0
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """The first index where the token lists ``a`` and ``b`` differ, the shorter one's length when
     one extends the other, None when they are the same tokens."""

@@ -45,6 +45,7 @@ from common import (
     progress,
     progress_bar,
     publish,
+    run_main,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -281,4 +282,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -32,6 +32,7 @@ from common import (
     progress,
     progress_bar,
     publish,
+    run_main,
 )
 
 from staged_engine.demo_pair import loops
@@ -318,4 +319,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -16,7 +16,7 @@ import sys
 import time
 
 import torch
-from common import machine, progress, save
+from common import machine, progress, run_main, save
 
 NODES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
 
@@ -94,4 +94,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -31,7 +31,7 @@ import sys
 import time
 
 import torch
-from common import checkpoint_dirs, machine, plot_path, progress_bar, publish
+from common import checkpoint_dirs, machine, plot_path, progress_bar, publish, run_main
 
 GAPS_US = [0, 50, 200, 500, 1000, 3000]
 
@@ -148,4 +148,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

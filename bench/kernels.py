@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common import run_main
+
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -384,4 +386,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

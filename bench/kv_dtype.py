@@ -41,6 +41,7 @@ from common import (
     progress,
     progress_bar,
     publish,
+    run_main,
 )
 
 LENGTHS = (0, 450, 850)  # 0: the prompt alone; else the least prompt length in tokens, context joined before it
@@ -264,4 +265,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

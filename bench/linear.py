@@ -39,7 +39,7 @@ import sys
 
 import torch
 
-from common import machine, plot_path, progress, publish, timed
+from common import machine, plot_path, progress, publish, run_main, timed
 from roofline import gemm_rate, read_bandwidth, widening_rate
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
@@ -210,4 +210,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from common import machine
+from common import machine, run_main
 
 from staged_engine import ngram as ngram_mod
 from staged_engine.ngram import NGramModel
@@ -336,4 +336,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import torch
-from common import machine, publish
+from common import machine, publish, run_main
 
 
 def run(args) -> dict:
@@ -87,4 +87,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 import torch
-from common import machine, median, progress, save, timed
+from common import machine, median, progress, run_main, save, timed
 
 SHAPES = {
     "small": dict(n_embd=768, n_layer=12, n_head=12),
@@ -84,4 +84,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

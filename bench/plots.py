@@ -29,7 +29,7 @@ import json
 import os
 import sys
 
-from common import chain_round_costs
+from common import chain_round_costs, run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -333,4 +333,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

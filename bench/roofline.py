@@ -45,7 +45,7 @@ import sys
 import time
 
 import torch
-from common import checkpoint_dirs, machine, plot_path, progress, publish
+from common import checkpoint_dirs, machine, plot_path, progress, publish, run_main
 from forward_cost import random_tree_mask
 
 NODES = [1, 2, 4, 8, 16, 32, 64]
@@ -518,4 +518,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from common import load_prompts, machine, progress, publish
+from common import load_prompts, machine, progress, publish, run_main
 
 
 def _free_port() -> int:
@@ -193,4 +193,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

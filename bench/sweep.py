@@ -22,7 +22,14 @@ import os
 import statistics
 import sys
 
-from common import chain_round_costs, load_prompts, machine, progress_bar, save
+from common import (
+    chain_round_costs,
+    load_prompts,
+    machine,
+    progress_bar,
+    run_main,
+    save,
+)
 from e2e import SAMPLED_MODES
 
 
@@ -139,4 +146,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import load_prompts, machine, progress_bar, save
+from common import load_prompts, machine, progress_bar, run_main, save
 
 CHAINS = (1, 2, 3, 4)
 
@@ -75,4 +75,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

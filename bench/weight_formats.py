@@ -26,7 +26,16 @@ import sys
 import time
 
 import torch
-from common import fmt, load_prompts, machine, plot_path, progress, progress_bar, publish
+from common import (
+    fmt,
+    load_prompts,
+    machine,
+    plot_path,
+    progress,
+    progress_bar,
+    publish,
+    run_main,
+)
 
 ROWS = (1, 2, 4, 8)
 CONTEXT = 64  # cached tokens below the timed passes
@@ -218,4 +227,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

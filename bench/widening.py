@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import machine, publish
+from common import machine, publish, run_main
 
 ROWS = (1, 2, 3, 4)
 FORMS = ("f16c", "f16c_128", "integer", "mixed", "fp32")
@@ -208,4 +208,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

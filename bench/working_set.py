@@ -40,7 +40,7 @@ import statistics
 import sys
 
 import torch
-from common import machine, plot_path, progress, progress_bar, publish
+from common import machine, plot_path, progress, progress_bar, publish, run_main
 from roofline import read_bandwidth
 
 CONTEXTS = [64, 128, 256, 512, 1000]
@@ -318,4 +318,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

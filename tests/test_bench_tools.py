@@ -516,3 +516,13 @@ def test_the_roofline_s_bf16_copy_is_stored_in_bfloat16_and_made_once(checkpoint
     stamp = os.path.getmtime(os.path.join(path, "model.safetensors"))
     assert roofline.bf16_checkpoint(checkpoints["odd96"]) == path
     assert os.path.getmtime(os.path.join(path, "model.safetensors")) == stamp
+
+
+def test_a_bench_refusing_its_arguments_says_so_in_one_line_with_exit_code_2():
+    import subprocess
+
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "weight_formats.py"), "--blocks", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "weight_formats.py: error: --blocks must be >= 2, got 1"
+    assert "Traceback" not in proc.stderr
