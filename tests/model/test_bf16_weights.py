@@ -84,3 +84,16 @@ def test_every_strategy_equals_plain_decoding(engine, strategy, opts):
         for kw in (dict(temperature=0.8, top_p=0.9, seed=3), dict(temperature=1.0, top_k=20, seed=4)):
             ref = engine.generate(prompt, max_new_tokens=40, strategy="plain", **kw).token_ids
             assert engine.generate(prompt, max_new_tokens=40, strategy=strategy, **kw).token_ids == ref
+
+
+def test_a_float16_cache_over_bfloat16_weights(paths):
+    """The two 16-bit options together: weights packed bfloat16, the oracle's K/V in float16;
+    a chain of two still writes plain decoding's tokens, greedy and seeded."""
+    oracle, draft = paths
+    eng = Engine(load_model(oracle), draft=load_model(draft), backend=TorchBackend(wide_weights=False, wide_rows=None),
+                 kv_dtype="float16")
+    assert eng.backend.native_rows(eng.oracle).weight_format == "bfloat16" and eng.oracle.kv_dtype == torch.float16
+    for prompt in _prompts(2, seed=13):
+        for kw in ({}, dict(temperature=0.8, top_p=0.9, seed=5)):
+            ref = eng.generate(prompt, max_new_tokens=32, strategy="plain", **kw).token_ids
+            assert eng.generate(prompt, max_new_tokens=32, strategy="chain", chain_length=2, **kw).token_ids == ref
