@@ -129,6 +129,20 @@ def checkpoint_dirs(paths: list[str] | None, defaults) -> dict[str, str]:
     return models
 
 
+def round_to_bfloat16_(model) -> None:
+    """Round ``model``'s parameters in place to bfloat16 values, as a checkpoint stored in bf16
+    holds, setting element 0 of each matrix to 1e-7 first: below float16's subnormal spacing, as
+    a bf16 checkpoint's tiniest weights are, so float16 cannot hold it and each product packs as
+    bfloat16 (the engine's or HF's model; the values stay in their float32 tensors)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.view(-1)[0] = 1e-7
+            p.copy_(p.bfloat16().float())
+
+
 def run_main(main) -> int:
     """A bench script's exit code from ``main()``: bad arguments (ValueError, a missing file) end
     in one line naming the script and the problem, exit code 2, as ``staged-engine`` itself

@@ -45,7 +45,15 @@ import sys
 import time
 
 import torch
-from common import checkpoint_dirs, machine, plot_path, progress, publish, run_main
+from common import (
+    checkpoint_dirs,
+    machine,
+    plot_path,
+    progress,
+    publish,
+    round_to_bfloat16_,
+    run_main,
+)
 from forward_cost import random_tree_mask
 
 NODES = [1, 2, 4, 8, 16, 32, 64]
@@ -148,10 +156,8 @@ def gpt2_small_checkpoint(tokenizer_from: str) -> str:
 
 
 def bf16_checkpoint(src: str) -> str:
-    """``src`` stored in bfloat16, with its tokenizer, in the cache directory (named by a hash of
-    its weights, so a retrained demo pair gets a new copy): each matrix rounded to bfloat16, its
-    first value set to 1e-7 (a bf16 checkpoint's tiniest weights are not float16 values; with one
-    such value a product packs as bfloat16, not float16)."""
+    """``src`` stored in bfloat16 (``round_to_bfloat16_``), with its tokenizer, in the cache
+    directory (named by a hash of its weights, so a retrained demo pair gets a new copy)."""
     import hashlib
 
     from staged_engine.demo_pair import cache_dir as engine_cache
@@ -164,10 +170,7 @@ def bf16_checkpoint(src: str) -> str:
 
         progress(f"making a bfloat16 copy of {src} ...")
         model = GPT2LMHeadModel.from_pretrained(src, dtype=torch.float32).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.view(-1)[0] = 1e-7
+        round_to_bfloat16_(model)
         model.to(torch.bfloat16).save_pretrained(path + ".tmp")
         if os.path.isfile(os.path.join(src, "tokenizer.json")):  # llama.cpp's converter needs it
             shutil.copy(os.path.join(src, "tokenizer.json"), os.path.join(path + ".tmp", "tokenizer.json"))

@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 from common import (
@@ -34,6 +33,7 @@ from common import (
     progress,
     progress_bar,
     publish,
+    round_to_bfloat16_,
     run_main,
 )
 
@@ -44,17 +44,13 @@ FORMS = ("float16", "bfloat16", "bfloat16 as float32")  # as stored; the bf16 co
 
 
 def bf16_copy(model):
-    """``model``'s weights rounded to bfloat16 (kept in float32, as the engine loads any checkpoint
-    on CPU), with element 0 of each matrix set to 1e-7 in bfloat16: below float16's subnormal
-    spacing, so float16 cannot hold it and each product packs as bfloat16."""
+    """A copy of ``model`` with its weights rounded to bfloat16 (``round_to_bfloat16_``), kept in
+    float32 as the engine loads any checkpoint on CPU."""
     import copy
 
-    with torch.inference_mode(False), torch.no_grad():  # plain tensors: the backend reads their version counters
+    with torch.inference_mode(False):  # plain tensors: the backend reads their version counters
         out = copy.deepcopy(model)
-        for p in out.parameters():
-            if p.dim() == 2:
-                p.view(-1)[0] = 1e-7
-            p.copy_(p.bfloat16().float())
+        round_to_bfloat16_(out)
     return out
 
 
