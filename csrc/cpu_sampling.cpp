@@ -693,6 +693,19 @@ namespace {
 template <typename T>
 T* entries(torch::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
+// k and v of one cache, as the moves below take them: contiguous CPU tensors (L, B, H, S, D) of
+// one float type (float32 or float16) and one shape.
+void check_kv_pair(const torch::Tensor& k, const torch::Tensor& v) {
+  for (const torch::Tensor* t : {&k, &v}) {
+    SE_CHECK(t->device().is_cpu() && (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kHalf) &&
+                 t->is_contiguous() && t->dim() == 5,
+             "k and v must be contiguous float32 or float16 CPU tensors (L, B, H, S, D)");
+  }
+  SE_CHECK(k.scalar_type() == v.scalar_type(), "k and v must have one dtype, got ", k.scalar_type(), " and ",
+           v.scalar_type());
+  SE_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
+}
+
 template <typename T>
 void kv_move_entries(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, const std::vector<int64_t>& path) {
   const int64_t L = k.size(0), B = k.size(1), H = k.size(2), S = k.size(3), D = k.size(4);
@@ -712,14 +725,7 @@ void kv_move_entries(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t st
 // start + m in every layer and head of k and v, (L, B, H, S, D) float32 or float16 (path[m] >= m,
 // increasing).
 void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, const std::vector<int64_t>& path) {
-  for (const torch::Tensor* t : {&k, &v}) {
-    SE_CHECK(t->device().is_cpu() && (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kHalf) &&
-                 t->is_contiguous() && t->dim() == 5,
-             "k and v must be contiguous float32 or float16 CPU tensors (L, B, H, S, D)");
-  }
-  SE_CHECK(k.scalar_type() == v.scalar_type(), "k and v must have one dtype, got ", k.scalar_type(), " and ",
-           v.scalar_type());
-  SE_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
+  check_kv_pair(k, v);
   const int64_t B = k.size(1), S = k.size(3);
   SE_CHECK(row >= 0 && row < B, "row must be in [0, ", B, "), got ", row);
   SE_CHECK(!path.empty() && start >= 0, "path must be non-empty and start >= 0");
@@ -740,14 +746,7 @@ void kv_move(torch::Tensor& k, torch::Tensor& v, int64_t row, int64_t start, con
 // 8 beams those took ~0.3 ms a step, a tenth of the demo oracle's pass over the 8 rows.
 void kv_copy_rows(torch::Tensor& k, torch::Tensor& v, const std::vector<int64_t>& sources,
                   const std::vector<int64_t>& lows, int64_t span) {
-  for (const torch::Tensor* t : {&k, &v}) {
-    SE_CHECK(t->device().is_cpu() && (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kHalf) &&
-                 t->is_contiguous() && t->dim() == 5,
-             "k and v must be contiguous float32 or float16 CPU tensors (L, B, H, S, D)");
-  }
-  SE_CHECK(k.scalar_type() == v.scalar_type(), "k and v must have one dtype, got ", k.scalar_type(), " and ",
-           v.scalar_type());
-  SE_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ", v.sizes());
+  check_kv_pair(k, v);
   const int64_t L = k.size(0), B = k.size(1), H = k.size(2), S = k.size(3), D = k.size(4);
   const int64_t W = static_cast<int64_t>(sources.size());
   SE_CHECK(W <= B, "sources must name at most ", B, " rows, got ", W);
