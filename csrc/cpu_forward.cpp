@@ -1384,6 +1384,75 @@ class NativeGPT2 {
                /*flat=*/true);
   }
 
+  // Plain decoding's steps over cache row 0 in one OpenMP region (plain_steps): a pass over
+  // ``root`` at slot and position ``start`` (every slot before it committed), the rule's choice of
+  // the next token, fed back at start + 1, and so on, until ``n`` tokens or one equal to
+  // ``stop_token`` (-1: none). Each pass is forward_ids' over one token and each choice
+  // verify_tree's (choose_at), so the tokens and the cache entries are those of a call a step;
+  // what one region spares is a pass's fork and join of the threads and its setup: between
+  // passes the partners spin at a barrier while thread 0 chooses and embeds the next token.
+  // Returns the tokens (their entries written, one a slot from ``start``); adds the region's
+  // seconds to ``seconds``.
+  std::vector<int64_t> decode_steps(torch::Tensor& k_all, torch::Tensor& v_all, int64_t start, int64_t root, int64_t n,
+                                    const ChoiceRule& rule, int64_t stop_token, double& seconds) {
+    const int64_t S = check_cache(k_all, v_all, 1);
+    SE_CHECK(n >= 1, "n must be >= 1, got ", n);
+    SE_CHECK(start >= 0 && start + n <= S, "the steps' slots [", start, ", ", start + n, ") exceed the cache's ", S);
+    SE_CHECK(start + n - 1 < P_, "the steps' positions [", start, ", ", start + n, ") exceed the model's ", P_);
+    SE_CHECK(root >= 0 && root < V_, "root must be a token id in [0, ", V_, "), got ", root);
+    const int64_t C = C_;
+    std::vector<float> x(C), qkv(3 * C), att(C), ff(inner_), logits(V_);
+    std::vector<int64_t> out;
+    out.reserve(static_cast<size_t>(n));
+    int64_t slot = start;  // the pass's slot and position; thread 0 moves it between passes
+    Pass ps = cache_pass(k_all, v_all);
+    ps.starts = ps.writes = &slot;
+    ps.x = x.data();
+    ps.qkv = qkv.data();
+    ps.att = att.data();
+    ps.ff = ff.data();
+    ps.lp = logits.data();
+    const int mode = group_runs_mode();
+    const bool choose = mode == kRunsAuto;
+    FormChooser::Pick pick{mode != kRunsOff, FormChooser::kExploit};
+    std::chrono::steady_clock::time_point t_pass;
+    const auto begin = [&](int64_t token) {  // thread 0, the partners at a barrier
+      embed(token, slot, x.data());
+      if (choose) pick = chooser_.pick(1);
+      ps.runs = pick.on;
+      t_pass = std::chrono::steady_clock::now();
+    };
+    std::vector<float> z;
+    bool done = false;
+    const auto t0 = std::chrono::steady_clock::now();
+    begin(root);
+    SpinBarrier barrier;
+#pragma omp parallel num_threads(forward_threads())
+    {
+      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+      Scratch s(C, 1);
+      while (true) {
+        body(ps, tid, nth, barrier, s);
+        barrier.wait(nth);  // the logits are whole
+        if (tid == 0) {
+          if (choose)
+            chooser_.record(1, pick, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_pass).count());
+          const int64_t y = choose_at(logits.data(), V_, slot + 1, rule, z);
+          out.push_back(y);
+          done = y == stop_token || static_cast<int64_t>(out.size()) == n;
+          if (!done) {
+            ++slot;
+            begin(y);
+          }
+        }
+        barrier.wait(nth);  // the next pass's token, slot and form are set (or done)
+        if (done) break;
+      }
+    }
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return out;
+  }
+
  private:
   // Whether each head's q, k and v columns are whole panel groups of c_attn (groups of kPanels
   // from panel 0, as the even shares of heads that divide by the threads cut them) and the heads
@@ -1471,16 +1540,9 @@ class NativeGPT2 {
   torch::Tensor run(const int64_t* tp, const int64_t* pp, int64_t B, int64_t N, torch::Tensor& k_all,
                     torch::Tensor& v_all, const std::vector<int64_t>& writes, const std::vector<int64_t>& starts,
                     int64_t M, const c10::optional<torch::Tensor>& mask_in, bool last_only, bool flat) {
-    const int64_t R = B * N, L = static_cast<int64_t>(blocks_.size());
+    const int64_t R = B * N;
     SE_CHECK(B >= 1 && N >= 1, "tokens must not be empty");
-    SE_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
-                 k_all.strides() == v_all.strides() && k_all.stride(4) == 1 &&
-                 (k_all.scalar_type() == torch::kFloat32 || k_all.scalar_type() == torch::kHalf) &&
-                 v_all.scalar_type() == k_all.scalar_type(),
-             "k_cache and v_cache must be float32 or float16 (L, B, H, S, D) with unit stride over D, and alike");
-    SE_CHECK(k_all.size(0) == L && k_all.size(1) == B && k_all.size(2) == n_head_ && k_all.size(4) == D_,
-             "the cache must be (", L, ", ", B, ", ", n_head_, ", S, ", D_, "), got ", k_all.sizes());
-    const int64_t S = k_all.size(3);
+    const int64_t S = check_cache(k_all, v_all, B);
     SE_CHECK(static_cast<int64_t>(writes.size()) == B && static_cast<int64_t>(starts.size()) == B,
              "writes and starts need one entry per row");
     SE_CHECK(M >= N, "m (uncommitted entries) must be >= the new tokens");
@@ -1505,25 +1567,27 @@ class NativeGPT2 {
       mp = mask.data_ptr<bool>();
     }
 
-    const int64_t C = C_, C3 = 3 * C_, F = inner_, H = n_head_, D = D_;
+    const int64_t C = C_, C3 = 3 * C_, F = inner_;
     const int64_t out_rows = last_only ? B : R;
     auto logits = flat ? torch::empty({last_only ? 1 : N, V_}, torch::dtype(torch::kFloat32))
                        : torch::empty({B, last_only ? 1 : N, V_}, torch::dtype(torch::kFloat32));
     std::vector<float> x(R * C), qkv(R * C3), att(R * C), ff(R * F);
-    // The residual stream: token + position embeddings.
-    const float* wte = wte_.data_ptr<float>();
-    const float* wpe = wpe_.data_ptr<float>();
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t c = 0; c < C; ++c) x[r * C + c] = wte[tp[r] * C + c] + wpe[pp[r] * C + c];
-    // The cache's entries: float32, or float16 bits (KVCache's kv_dtype).
-    const bool half_kv = k_all.scalar_type() == torch::kHalf;
-    float* kp = half_kv ? nullptr : k_all.data_ptr<float>();
-    float* vp = half_kv ? nullptr : v_all.data_ptr<float>();
-    uint16_t* kp16 = half_kv ? reinterpret_cast<uint16_t*>(k_all.data_ptr<at::Half>()) : nullptr;
-    uint16_t* vp16 = half_kv ? reinterpret_cast<uint16_t*>(v_all.data_ptr<at::Half>()) : nullptr;
-    const int64_t s_l = k_all.stride(0), s_b = k_all.stride(1), s_h = k_all.stride(2), s_s = k_all.stride(3);
-    float* lp = logits.data_ptr<float>();
-    const float scale = 1.f / std::sqrt(static_cast<float>(D));
+    for (int64_t r = 0; r < R; ++r) embed(tp[r], pp[r], &x[r * C]);
+    Pass ps = cache_pass(k_all, v_all);
+    ps.B = B;
+    ps.N = N;
+    ps.M = M;
+    ps.out_rows = out_rows;
+    ps.last_only = last_only;
+    ps.starts = starts.data();
+    ps.writes = writes.data();
+    ps.mp = mp;
+    ps.mask_per_row = mask_per_row;
+    ps.x = x.data();
+    ps.qkv = qkv.data();
+    ps.att = att.data();
+    ps.ff = ff.data();
+    ps.lp = logits.data_ptr<float>();
     const int nt = forward_threads();
     SpinBarrier barrier;
     // The register-block form of this pass's products: pinned by set_group_runs, or chosen by
@@ -1531,81 +1595,151 @@ class NativeGPT2 {
     const int mode = group_runs_mode();
     const bool choose = mode == kRunsAuto && R <= 3;
     const FormChooser::Pick pick = choose ? chooser_.pick(R) : FormChooser::Pick{mode != kRunsOff, FormChooser::kExploit};
-    const bool runs = pick.on;
+    ps.runs = pick.on;
     const auto t_start = std::chrono::steady_clock::now();
 
 #pragma omp parallel num_threads(nt)
     {
-      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-      std::vector<float> h(R * C);  // this thread's copy of the normalised rows
-      std::vector<std::vector<int64_t>> pend(N);  // per query: its visible pending slots
-      std::vector<HeadQuery> hq(N);
-      std::vector<float> p;
-      const bool own = heads_own(nth);
-      // The new tokens' K/V of (row b, head hh) to their cache slots, then its attention.
-      auto attend_in = [&](auto* kc, auto* vc, int64_t l, int64_t b, int64_t hh) {
-        const int64_t start = starts[b];
-        auto* kh = kc + l * s_l + b * s_b + hh * s_h;
-        auto* vh = vc + l * s_l + b * s_b + hh * s_h;
-        for (int64_t i = 0; i < N; ++i) {
-          const float* src = &qkv[(b * N + i) * C3 + hh * D];
-          kv_store_row(kh + (writes[b] + i) * s_s, src + C, D);
-          kv_store_row(vh + (writes[b] + i) * s_s, src + 2 * C, D);
-        }
-        p.resize(N * (start + M + 2 * kLanes));
-        for (int64_t i = 0; i < N; ++i) {
-          std::vector<int64_t>& sl = pend[i];
-          sl.clear();
-          for (int64_t j = 0; j < M; ++j) {
-            const bool visible = mp ? mp[(mask_per_row ? b * N * M : 0) + i * M + j] : (j <= M - N + i);
-            if (visible) sl.push_back(start + j);
-          }
-          hq[i] = HeadQuery{&qkv[(b * N + i) * C3 + hh * D], sl.data(), start, start + static_cast<int64_t>(sl.size()),
-                            p.data() + i * (start + M + 2 * kLanes), &att[(b * N + i) * C + hh * D]};
-        }
-        head_attention(hq.data(), N, start, kh, vh, s_s, D, scale);
-      };
-      auto attend = [&](int64_t l, int64_t b, int64_t hh) {
-        if (half_kv) attend_in(kp16, vp16, l, b, hh); else attend_in(kp, vp, l, b, hh);
-      };
-      for (int64_t l = 0; l < L; ++l) {
-        const Block& blk = blocks_[l];
-        for (int64_t r = 0; r < R; ++r)
-          layer_norm_row(&x[r * C], blk.ln1w.data(), blk.ln1b.data(), eps_, C, &h[r * C]);
-        if (own) {
-          for (int64_t hh = tid; hh < H; hh += nth) {
-            for (int64_t part = 0; part < 3; ++part) {  // q, k, v columns of head hh
-              const auto [g0, g1] = head_groups(hh, part);
-              linear_groups(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, g0, g1, runs);
-            }
-            for (int64_t b = 0; b < B; ++b) attend(l, b, hh);
-          }
-        } else {
-          linear_part(blk.qkv, h.data(), C, qkv.data(), C3, R, Epilogue::kStore, tid, nth, runs);
-          barrier.wait(nth);
-          for (int64_t w = tid; w < B * H; w += nth) attend(l, w / H, w % H);
-        }
-        barrier.wait(nth);
-        linear_part(blk.proj, att.data(), C, x.data(), C, R, Epilogue::kResidual, tid, nth, runs);
-        barrier.wait(nth);
-        for (int64_t r = 0; r < R; ++r)
-          layer_norm_row(&x[r * C], blk.ln2w.data(), blk.ln2b.data(), eps_, C, &h[r * C]);
-        linear_part(blk.fc, h.data(), C, ff.data(), F, R, act_, tid, nth, runs);
-        barrier.wait(nth);
-        linear_part(blk.mproj, ff.data(), F, x.data(), C, R, Epilogue::kResidual, tid, nth, runs);
-        barrier.wait(nth);
-      }
-      for (int64_t o = 0; o < out_rows; ++o) {
-        const int64_t r = last_only ? o * N + N - 1 : o;
-        layer_norm_row(&x[r * C], lnfw_.data(), lnfb_.data(), eps_, C, &h[o * C]);
-      }
-      linear_part(head_, h.data(), C, lp, V_, out_rows, Epilogue::kStore, tid, nth, runs);
-      if (head_rows_ < V_)  // the columns past the packed head: never written by linear_part
-        for (int64_t o = tid; o < out_rows; o += nth)
-          std::fill(lp + o * V_ + head_rows_, lp + (o + 1) * V_, -std::numeric_limits<float>::infinity());
+      Scratch s(R * C, N);
+      body(ps, omp_get_thread_num(), omp_get_num_threads(), barrier, s);
     }
     if (choose) chooser_.record(R, pick, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
     return logits;
+  }
+
+  // The K/V cache's checks (a ``B``-row cache of this model's shape); returns its slots a row.
+  int64_t check_cache(const torch::Tensor& k_all, const torch::Tensor& v_all, int64_t B) const {
+    const int64_t L = static_cast<int64_t>(blocks_.size());
+    SE_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
+                 k_all.strides() == v_all.strides() && k_all.stride(4) == 1 &&
+                 (k_all.scalar_type() == torch::kFloat32 || k_all.scalar_type() == torch::kHalf) &&
+                 v_all.scalar_type() == k_all.scalar_type(),
+             "k_cache and v_cache must be float32 or float16 (L, B, H, S, D) with unit stride over D, and alike");
+    SE_CHECK(k_all.size(0) == L && k_all.size(1) == B && k_all.size(2) == n_head_ && k_all.size(4) == D_,
+             "the cache must be (", L, ", ", B, ", ", n_head_, ", S, ", D_, "), got ", k_all.sizes());
+    return k_all.size(3);
+  }
+
+  // Everything the threads of one pass share: set up by run or decode_steps, read by body.
+  struct Pass {
+    int64_t B = 1, N = 1, M = 1, out_rows = 1;
+    bool last_only = false;
+    const int64_t* starts = nullptr;  // per row: its committed slots
+    const int64_t* writes = nullptr;  // per row: the slot of its first new token
+    const bool* mp = nullptr;         // the tree mask, (N, M) or (B, N, M) with mask_per_row; null: causal
+    bool mask_per_row = false;
+    // The cache's entries: float32, or float16 bits (KVCache's kv_dtype).
+    bool half_kv = false;
+    float *kp = nullptr, *vp = nullptr;
+    uint16_t *kp16 = nullptr, *vp16 = nullptr;
+    int64_t s_l = 0, s_b = 0, s_h = 0, s_s = 0;
+    float *x = nullptr, *qkv = nullptr, *att = nullptr, *ff = nullptr, *lp = nullptr;  // (R, C) .. (out_rows, V)
+    bool runs = true;  // the register-block form of the products (FormChooser)
+  };
+
+  // One thread's scratch for a pass over ``rows`` rows of ``n`` new tokens each.
+  struct Scratch {
+    Scratch(int64_t rows_c, int64_t n) : h(rows_c), pend(n), hq(n) {}
+    std::vector<float> h;                     // this thread's copy of the normalised rows
+    std::vector<std::vector<int64_t>> pend;   // per query: its visible pending slots
+    std::vector<HeadQuery> hq;
+    std::vector<float> p;
+  };
+
+  Pass cache_pass(torch::Tensor& k_all, torch::Tensor& v_all) const {
+    Pass ps;
+    ps.half_kv = k_all.scalar_type() == torch::kHalf;
+    if (ps.half_kv) {
+      ps.kp16 = reinterpret_cast<uint16_t*>(k_all.data_ptr<at::Half>());
+      ps.vp16 = reinterpret_cast<uint16_t*>(v_all.data_ptr<at::Half>());
+    } else {
+      ps.kp = k_all.data_ptr<float>();
+      ps.vp = v_all.data_ptr<float>();
+    }
+    ps.s_l = k_all.stride(0);
+    ps.s_b = k_all.stride(1);
+    ps.s_h = k_all.stride(2);
+    ps.s_s = k_all.stride(3);
+    return ps;
+  }
+
+  // The residual stream of one row: token + position embeddings.
+  void embed(int64_t token, int64_t position, float* x) const {
+    const float* te = wte_.data_ptr<float>() + token * C_;
+    const float* pe = wpe_.data_ptr<float>() + position * C_;
+    for (int64_t c = 0; c < C_; ++c) x[c] = te[c] + pe[c];
+  }
+
+  // Thread ``tid`` of ``nth``'s part of a pass: every layer, the final norm and its share of the
+  // LM head's columns. Ends without a barrier: the caller meets its partners before reading the logits.
+  void body(const Pass& ps, int tid, int nth, SpinBarrier& barrier, Scratch& s) const {
+    const int64_t B = ps.B, N = ps.N, M = ps.M, R = B * N, L = static_cast<int64_t>(blocks_.size());
+    const int64_t C = C_, C3 = 3 * C_, F = inner_, H = n_head_, D = D_;
+    const float scale = 1.f / std::sqrt(static_cast<float>(D));
+    float *x = ps.x, *qkv = ps.qkv, *att = ps.att, *ff = ps.ff, *h = s.h.data();
+    const bool runs = ps.runs;
+    const bool own = heads_own(nth);
+    // The new tokens' K/V of (row b, head hh) to their cache slots, then its attention.
+    auto attend_in = [&](auto* kc, auto* vc, int64_t l, int64_t b, int64_t hh) {
+      const int64_t start = ps.starts[b];
+      auto* kh = kc + l * ps.s_l + b * ps.s_b + hh * ps.s_h;
+      auto* vh = vc + l * ps.s_l + b * ps.s_b + hh * ps.s_h;
+      for (int64_t i = 0; i < N; ++i) {
+        const float* src = &qkv[(b * N + i) * C3 + hh * D];
+        kv_store_row(kh + (ps.writes[b] + i) * ps.s_s, src + C, D);
+        kv_store_row(vh + (ps.writes[b] + i) * ps.s_s, src + 2 * C, D);
+      }
+      s.p.resize(N * (start + M + 2 * kLanes));
+      for (int64_t i = 0; i < N; ++i) {
+        std::vector<int64_t>& sl = s.pend[i];
+        sl.clear();
+        for (int64_t j = 0; j < M; ++j) {
+          const bool visible = ps.mp ? ps.mp[(ps.mask_per_row ? b * N * M : 0) + i * M + j] : (j <= M - N + i);
+          if (visible) sl.push_back(start + j);
+        }
+        s.hq[i] = HeadQuery{&qkv[(b * N + i) * C3 + hh * D], sl.data(), start, start + static_cast<int64_t>(sl.size()),
+                            s.p.data() + i * (start + M + 2 * kLanes), &att[(b * N + i) * C + hh * D]};
+      }
+      head_attention(s.hq.data(), N, start, kh, vh, ps.s_s, D, scale);
+    };
+    auto attend = [&](int64_t l, int64_t b, int64_t hh) {
+      if (ps.half_kv) attend_in(ps.kp16, ps.vp16, l, b, hh); else attend_in(ps.kp, ps.vp, l, b, hh);
+    };
+    for (int64_t l = 0; l < L; ++l) {
+      const Block& blk = blocks_[l];
+      for (int64_t r = 0; r < R; ++r)
+        layer_norm_row(&x[r * C], blk.ln1w.data(), blk.ln1b.data(), eps_, C, &h[r * C]);
+      if (own) {
+        for (int64_t hh = tid; hh < H; hh += nth) {
+          for (int64_t part = 0; part < 3; ++part) {  // q, k, v columns of head hh
+            const auto [g0, g1] = head_groups(hh, part);
+            linear_groups(blk.qkv, h, C, qkv, C3, R, Epilogue::kStore, g0, g1, runs);
+          }
+          for (int64_t b = 0; b < B; ++b) attend(l, b, hh);
+        }
+      } else {
+        linear_part(blk.qkv, h, C, qkv, C3, R, Epilogue::kStore, tid, nth, runs);
+        barrier.wait(nth);
+        for (int64_t w = tid; w < B * H; w += nth) attend(l, w / H, w % H);
+      }
+      barrier.wait(nth);
+      linear_part(blk.proj, att, C, x, C, R, Epilogue::kResidual, tid, nth, runs);
+      barrier.wait(nth);
+      for (int64_t r = 0; r < R; ++r)
+        layer_norm_row(&x[r * C], blk.ln2w.data(), blk.ln2b.data(), eps_, C, &h[r * C]);
+      linear_part(blk.fc, h, C, ff, F, R, act_, tid, nth, runs);
+      barrier.wait(nth);
+      linear_part(blk.mproj, ff, F, x, C, R, Epilogue::kResidual, tid, nth, runs);
+      barrier.wait(nth);
+    }
+    for (int64_t o = 0; o < ps.out_rows; ++o) {
+      const int64_t r = ps.last_only ? o * N + N - 1 : o;
+      layer_norm_row(&x[r * C], lnfw_.data(), lnfb_.data(), eps_, C, &h[o * C]);
+    }
+    linear_part(head_, h, C, ps.lp, V_, ps.out_rows, Epilogue::kStore, tid, nth, runs);
+    if (head_rows_ < V_)  // the columns past the packed head: never written by linear_part
+      for (int64_t o = tid; o < ps.out_rows; o += nth)
+        std::fill(ps.lp + o * V_ + head_rows_, ps.lp + (o + 1) * V_, -std::numeric_limits<float>::infinity());
   }
 
  public:
@@ -1860,6 +1994,16 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
   return {out, lengths, unseen, d_kept, d_passes, d_rows, d_seconds, o_seconds, o_rows, lookup_rounds};
 }
 
+// Whether plain steps (lookup_steps at depth 0) run in one OpenMP region (NativeGPT2::decode_steps)
+// or a forward_ids call a pass, as prompt lookup's steps do: the same tokens and cache entries
+// either way. On by default; the switch is for the tests and benches that compare the two.
+std::atomic<bool> g_step_region{true};
+bool step_region() { return g_step_region.load(std::memory_order_relaxed); }
+bool set_step_region(bool on) {
+  g_step_region.store(on, std::memory_order_relaxed);
+  return on;
+}
+
 // Plain decoding's steps with prompt lookup, the cheapest stage of all (no draft model), without
 // returning to Python: up to ``n`` oracle passes over cache row 0, which holds every position
 // before each pass (the token at position p is written to slot p, from slot ``start``; the first
@@ -1894,6 +2038,13 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   for (const int64_t t : history)
     SE_CHECK(t >= 0 && t < vocab, "history must hold token ids in [0, ", vocab, "), got ", t);
   const bool lookup = depth > 0;
+  if (!lookup && step_region()) {  // plain steps: one OpenMP region for all of them
+    double seconds = 0.0;
+    std::vector<int64_t> out =
+        model.decode_steps(k, v, start, root, n, choice_rule(temperature, top_k, top_p, seed), stop_token, seconds);
+    std::vector<int64_t> lengths(out.size(), 1);
+    return {std::move(out), seconds, std::move(lengths), 0, 0};
+  }
   std::vector<int64_t> seq;
   if (lookup) seq.reserve(history.size() + static_cast<size_t>(n) + 1);
   if (lookup) seq.assign(history.begin(), history.end());
@@ -2171,6 +2322,11 @@ void register_native_forward(py::module& m) {
         py::arg("model"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("root"), py::arg("n"),
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("set_step_region", &set_step_region,
+        "run plain steps (plain_steps, lookup_steps at depth 0) in one OpenMP region (True, the default) or a "
+        "forward pass a call (False; the same tokens and cache entries, for comparisons); returns the setting",
+        py::arg("on"));
+  m.def("step_region", &step_region, "whether plain steps run in one OpenMP region (set_step_region)");
   m.def("lookup_steps", &lookup_steps,
         "up to n decoding steps of cache row 0 in one call, as plain_steps, each pass also verifying the tokens "
         "prompt lookup finds after the context's last 3 (down to `min_order`) tokens, at most `depth`; entries left "

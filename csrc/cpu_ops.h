@@ -20,6 +20,19 @@ std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint6
 std::vector<int64_t> choose_rows(const torch::Tensor& logits, uint64_t seed, const std::vector<int64_t>& positions,
                                  double temperature, int64_t top_k, double top_p);
 
+// A sampling rule and noise seed, checked once (choice_rule), for callers that choose a row at a time.
+struct ChoiceRule {
+  float temperature;
+  int64_t top_k;
+  double top_p;
+  uint64_t seed;
+};
+ChoiceRule choice_rule(double temperature, int64_t top_k, double top_p, uint64_t seed);
+
+// The rule's choice of the token at ``position`` from one row of V logits: choose_rows' and
+// verify_tree's choice (the noise of ``position``). ``z``: scratch.
+int64_t choose_at(const float* row, int64_t V, int64_t position, const ChoiceRule& rule, std::vector<float>& z);
+
 // ALGORITHMS.md sec. 4 over a tree's logits: (accepted path, emitted tokens).
 std::pair<std::vector<int64_t>, std::vector<int64_t>> verify_tree(
     const torch::Tensor& logits, const std::vector<int64_t>& tokens, const std::vector<int64_t>& parents,

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include "cpu_errors.h"
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -517,6 +518,15 @@ Rule make_rule(double temperature, int64_t top_k, double top_p) {
 }
 
 }  // namespace
+
+ChoiceRule choice_rule(double temperature, int64_t top_k, double top_p, uint64_t seed) {
+  const Rule r = make_rule(temperature, top_k, top_p);
+  return ChoiceRule{r.temperature, r.top_k, r.top_p, seed};
+}
+
+int64_t choose_at(const float* row, int64_t V, int64_t position, const ChoiceRule& rule, std::vector<float>& z) {
+  return choose_row(row, V, noise_key(rule.seed, position), Rule{rule.temperature, rule.top_k, rule.top_p}, z);
+}
 
 // The choice for every row of logits (N, V): row r chooses the token at positions[r].
 std::vector<int64_t> choose_rows(const torch::Tensor& logits, uint64_t seed, const std::vector<int64_t>& positions,

@@ -99,3 +99,81 @@ def test_native_steps_refuse_bad_arguments(pair):
     with pytest.raises(ValueError, match="KV cache overflow"):  # the runner checks the room first
         runner.steps(4, runner.max_len, (0.0, 0, 1.0, 0))
     assert runner.cache.pending == 0 and runner.length == 3
+
+
+def _steps_bits(model, sampling, prompt, n, stop_token, region):
+    """Plain steps in calls of 8 with the step region on or off: tokens and committed K/V."""
+    was = _cpu.step_region()
+    _cpu.set_step_region(region)
+    try:
+        out, runner, _ = _native(model, sampling, prompt, n, stop_token, batch=8)
+    finally:
+        _cpu.set_step_region(was)
+    n = runner.length
+    return out, runner.cache.k[..., :n, :].clone(), runner.cache.v[..., :n, :].clone()
+
+
+@pytest.fixture(scope="module")
+def head64(tmp_path_factory) -> str:
+    """Two heads of 64 dimensions: over 2 threads each computes its own head's q/k/v and attends."""
+    from ckpt_util import make_hf_checkpoint
+
+    return make_hf_checkpoint(str(tmp_path_factory.mktemp("head64") / "m"), seed=5, vocab_size=301,
+                              n_positions=96, n_embd=128, n_layer=2, n_head=2)
+
+
+@pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p", "temperature"])
+def test_one_region_gives_the_bits_of_a_pass_a_call(checkpoints, head64, params):
+    """Plain steps in one OpenMP region (``NativeGPT2::decode_steps``, the default) against a
+    ``forward_ids`` call and a ``verify_tree`` choice a pass (``set_step_region(False)``, the path
+    prompt lookup's passes take): the same tokens and bit-equal cache entries, with 1 and 2
+    threads (over 2, odd96's 3 heads take the shared attention path and its barrier, head64's
+    2 heads one a thread), on float32 and float16 K/V caches, over an LM head cut to 50 rows (the
+    rest -inf), and through a stop token."""
+    saved = torch.get_num_threads()
+    try:
+        for path in (checkpoints["odd96"], head64):
+            model = load_model(path)
+            sampling = SamplingConfig.make(params, model.config.vocab_size)
+            prompt = torch.randint(0, model.config.vocab_size, (9,), generator=torch.Generator().manual_seed(2)).tolist()
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for kv_dtype, head_rows in ((None, None), (torch.float16, None), (None, 50)):
+                    model.kv_dtype, model.head_rows = kv_dtype, head_rows
+                    with torch.inference_mode():
+                        ref = _steps_bits(model, sampling, prompt, 40, None, region=False)
+                        got = _steps_bits(model, sampling, prompt, 40, None, region=True)
+                        stop = ref[0][17]
+                        cut = ref[0].index(stop) + 1
+                        stopped = _steps_bits(model, sampling, prompt, 40, stop, region=True)
+                    where = f"{model.config.n_embd} wide, {threads} threads, kv {kv_dtype}, head_rows {head_rows}"
+                    assert got[0] == ref[0], where
+                    assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2]), where
+                    assert stopped[0] == ref[0][:cut], where
+                    m = stopped[1].shape[-2]
+                    assert torch.equal(stopped[1], ref[1][..., :m, :]) and torch.equal(stopped[2], ref[2][..., :m, :])
+                    if head_rows is not None:
+                        assert max(ref[0]) < head_rows, where
+            model.kv_dtype = model.head_rows = None
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_one_region_refuses_steps_past_the_models_positions(pair):
+    """Steps whose positions would pass n_positions are refused before any pass, also where the
+    cache has room for them (a cache with slack past the context window, as beam trees grow)."""
+    model = load_model(pair[0])
+    native = TorchBackend(native=True).native_model(model)
+    cfg = model.config
+    n_pos = cfg.n_positions
+    shape = (cfg.n_layer, 1, cfg.n_head, n_pos + 8, cfg.n_embd // cfg.n_head)
+    k, v = torch.zeros(shape), torch.zeros(shape)
+    args = dict(model=native, k_cache=k, v_cache=v, start=n_pos - 2, root=4, n=3,
+                temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_token=-1)
+    with pytest.raises(ValueError, match=f"positions \\[{n_pos - 2}, {n_pos + 1}\\) exceed the model's {n_pos}"):
+        _cpu.plain_steps(**args)
+    with pytest.raises(ValueError, match=f"slots \\[{n_pos + 6}, {n_pos + 9}\\) exceed the cache's {n_pos + 8}"):
+        _cpu.plain_steps(**{**args, "start": n_pos + 6})
+    assert not k.any() and not v.any()  # nothing written
+    tokens, _ = _cpu.plain_steps(**{**args, "n": 2})  # the last position there is
+    assert len(tokens) == 2 and k[:, :, :, n_pos - 2:n_pos].any() and not k[:, :, :, n_pos:].any()
