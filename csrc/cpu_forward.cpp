@@ -1384,29 +1384,31 @@ class NativeGPT2 {
                /*flat=*/true);
   }
 
-  // Plain decoding's steps over cache row 0 in one OpenMP region (plain_steps): a pass over
-  // ``root`` at slot and position ``start`` (every slot before it committed), the rule's choice of
-  // the next token, fed back at start + 1, and so on, until ``n`` tokens or one equal to
-  // ``stop_token`` (-1: none). Each pass is forward_ids' over one token and each choice
-  // verify_tree's (choose_at), so the tokens and the cache entries are those of a call a step;
-  // what one region spares is a pass's fork and join of the threads and its setup: between
-  // passes the partners spin at a barrier while thread 0 chooses and embeds the next token.
-  // Returns the tokens (their entries written, one a slot from ``start``); adds the region's
-  // seconds to ``seconds``.
-  std::vector<int64_t> decode_steps(torch::Tensor& k_all, torch::Tensor& v_all, int64_t start, int64_t root, int64_t n,
-                                    const ChoiceRule& rule, int64_t stop_token, double& seconds) {
+  // One pass of a step region: over ``token`` at ``position``, with ``start`` committed slots of
+  // row 0 and ``m`` entries past them visible to it, its own the last (slot start + m - 1), as
+  // forward_ids(.., start, m, ..) computes a pass over one token.
+  struct Step {
+    int64_t token, position, start, m;
+  };
+
+  // Passes of one token each over cache row 0 in one OpenMP region, from ``first`` on: after
+  // each, thread 0 calls ``next(logits, step)`` (logits: V floats), which returns false to stop
+  // or sets ``step`` to the next pass. Each pass is forward_ids' over one token, so the logits and
+  // the cache entries are the bits of a call a pass; what the region spares is each pass's fork
+  // and join of the threads and its setup: between passes the partners spin at a barrier while
+  // thread 0 chooses and embeds the next token. A step outside the cache, the model's positions
+  // or the vocabulary ends the run before its pass and is reported after the region. Returns the
+  // region's seconds.
+  template <typename Next>
+  double step_region(torch::Tensor& k_all, torch::Tensor& v_all, Step first, Next&& next) {
     const int64_t S = check_cache(k_all, v_all, 1);
-    SE_CHECK(n >= 1, "n must be >= 1, got ", n);
-    SE_CHECK(start >= 0 && start + n <= S, "the steps' slots [", start, ", ", start + n, ") exceed the cache's ", S);
-    SE_CHECK(start + n - 1 < P_, "the steps' positions [", start, ", ", start + n, ") exceed the model's ", P_);
-    SE_CHECK(root >= 0 && root < V_, "root must be a token id in [0, ", V_, "), got ", root);
     const int64_t C = C_;
     std::vector<float> x(C), qkv(3 * C), att(C), ff(inner_), logits(V_);
-    std::vector<int64_t> out;
-    out.reserve(static_cast<size_t>(n));
-    int64_t slot = start;  // the pass's slot and position; thread 0 moves it between passes
+    Step cur = first;
+    int64_t write = 0;
     Pass ps = cache_pass(k_all, v_all);
-    ps.starts = ps.writes = &slot;
+    ps.starts = &cur.start;
+    ps.writes = &write;
     ps.x = x.data();
     ps.qkv = qkv.data();
     ps.att = att.data();
@@ -1416,40 +1418,72 @@ class NativeGPT2 {
     const bool choose = mode == kRunsAuto;
     FormChooser::Pick pick{mode != kRunsOff, FormChooser::kExploit};
     std::chrono::steady_clock::time_point t_pass;
-    const auto begin = [&](int64_t token) {  // thread 0, the partners at a barrier
-      embed(token, slot, x.data());
+    Step bad{-1, -1, -1, -1};  // a step refused, reported after the region
+    const auto begin = [&]() {  // thread 0, the partners at a barrier (or not yet forked)
+      if (cur.token < 0 || cur.token >= V_ || cur.position < 0 || cur.position >= P_ || cur.start < 0 || cur.m < 1 ||
+          cur.start + cur.m > S) {
+        bad = cur;
+        return false;
+      }
+      write = cur.start + cur.m - 1;
+      ps.M = cur.m;
+      embed(cur.token, cur.position, x.data());
       if (choose) pick = chooser_.pick(1);
       ps.runs = pick.on;
       t_pass = std::chrono::steady_clock::now();
+      return true;
     };
-    std::vector<float> z;
-    bool done = false;
     const auto t0 = std::chrono::steady_clock::now();
-    begin(root);
-    SpinBarrier barrier;
+    if (begin()) {
+      bool done = false;
+      SpinBarrier barrier;
 #pragma omp parallel num_threads(forward_threads())
-    {
-      const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-      Scratch s(C, 1);
-      while (true) {
-        body(ps, tid, nth, barrier, s);
-        barrier.wait(nth);  // the logits are whole
-        if (tid == 0) {
-          if (choose)
-            chooser_.record(1, pick, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_pass).count());
-          const int64_t y = choose_at(logits.data(), V_, slot + 1, rule, z);
-          out.push_back(y);
-          done = y == stop_token || static_cast<int64_t>(out.size()) == n;
-          if (!done) {
-            ++slot;
-            begin(y);
+      {
+        const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        Scratch s(C, 1);
+        while (true) {
+          body(ps, tid, nth, barrier, s);
+          barrier.wait(nth);  // the logits are whole
+          if (tid == 0) {
+            if (choose)
+              chooser_.record(1, pick,
+                              std::chrono::duration<double>(std::chrono::steady_clock::now() - t_pass).count());
+            done = !next(static_cast<const float*>(logits.data()), cur) || !begin();
           }
+          barrier.wait(nth);  // the next pass's token, slots and form are set (or done)
+          if (done) break;
         }
-        barrier.wait(nth);  // the next pass's token, slot and form are set (or done)
-        if (done) break;
       }
     }
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    SE_CHECK(bad.m < 0, "a step over token ", bad.token, " at position ", bad.position, " in slots [", bad.start, ", ",
+             bad.start + bad.m, ") does not fit the vocabulary [0, ", V_, "), the positions [0, ", P_,
+             ") or the cache's ", S, " slots");
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  // Plain decoding's steps over cache row 0 in one step region (plain_steps): a pass over
+  // ``root`` at slot and position ``start`` (every slot before it committed), the rule's choice
+  // of the next token (choose_at: verify_tree's), fed back at start + 1, and so on, until ``n``
+  // tokens or one equal to ``stop_token`` (-1: none): the tokens and cache entries of a
+  // forward_ids call and a verify_tree walk a step. Returns the tokens (their entries written, one
+  // a slot from ``start``); adds the region's seconds to ``seconds``.
+  std::vector<int64_t> decode_steps(torch::Tensor& k_all, torch::Tensor& v_all, int64_t start, int64_t root, int64_t n,
+                                    const ChoiceRule& rule, int64_t stop_token, double& seconds) {
+    const int64_t S = check_cache(k_all, v_all, 1);
+    SE_CHECK(n >= 1, "n must be >= 1, got ", n);
+    SE_CHECK(start >= 0 && start + n <= S, "the steps' slots [", start, ", ", start + n, ") exceed the cache's ", S);
+    SE_CHECK(start + n - 1 < P_, "the steps' positions [", start, ", ", start + n, ") exceed the model's ", P_);
+    SE_CHECK(root >= 0 && root < V_, "root must be a token id in [0, ", V_, "), got ", root);
+    std::vector<int64_t> out;
+    out.reserve(static_cast<size_t>(n));
+    std::vector<float> z;
+    seconds += step_region(k_all, v_all, Step{root, start, start, 1}, [&](const float* logits, Step& step) {
+      const int64_t y = choose_at(logits, V_, step.position + 1, rule, z);
+      out.push_back(y);
+      if (y == stop_token || static_cast<int64_t>(out.size()) == n) return false;
+      step = Step{y, step.position + 1, step.start + 1, 1};
+      return true;
+    });
     return out;
   }
 
@@ -1761,6 +1795,17 @@ class NativeGPT2 {
   aligned_vector<float> arena_f_;     // and its float32 ones
 };
 
+// Whether runs of one-token passes take one OpenMP region (NativeGPT2::step_region: plain steps,
+// lookup_steps at depth 0, and a draft chain's passes after its first) or a forward_ids call a
+// pass, as prompt lookup's steps do: the same tokens and cache entries either way. On by
+// default; the switch is for the tests and benches that compare the two.
+std::atomic<bool> g_step_region{true};
+bool step_region() { return g_step_region.load(std::memory_order_relaxed); }
+bool set_step_region(bool on) {
+  g_step_region.store(on, std::memory_order_relaxed);
+  return on;
+}
+
 // The oracle's pass over a chain (its root first) at positions position.., written to cache slots
 // slot.. of row 0 as pending entries, walked with the sampling rule (verify_tree: each row's choice
 // at its position's noise; a token is kept while the choice equals it): (path, emitted). Adds the
@@ -1829,33 +1874,57 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
   SE_CHECK(d_root <= root_position, "the draft's root position (", d_root, ") must not be past the oracle's (",
            root_position, ")");
   const int64_t offset = root_position - d_root;
-  std::vector<int64_t> chain{unseen.back()}, tokens(unseen), positions(unseen.size());
+  std::vector<int64_t> chain{unseen.back()};
   std::vector<double> logr, value;
-  for (size_t i = 0; i < unseen.size(); ++i) positions[i] = d_pos0 + static_cast<int64_t>(i);
   int64_t written = 0, passes = 0;
   double draft_seconds = 0.0;
-  while (static_cast<int64_t>(chain.size()) - 1 < depth) {
-    const auto t0 = clock::now();
-    written += static_cast<int64_t>(tokens.size());
-    const torch::Tensor logits = draft.forward_ids(tokens, positions, dk, dv, d_start, written, c10::nullopt, true);
-    ++passes;
-    const std::vector<torch::Tensor> best =
-        d_temperature == 0 ? top_children(logits, 1)
-                           : perturbed_children(logits, d_seed, {positions.back() + 1 + offset}, d_temperature, d_top_k, 1);
-    draft_seconds += secs(t0, clock::now());
-    if (best[0].size(1) == 0) break;
-    const int64_t token = best[0].data_ptr<int64_t>()[0];
-    const float lr = best[1].data_ptr<float>()[0];
-    if (lr == -std::numeric_limits<float>::infinity()) break;
+  const DraftChoice choice = draft_choice(d_temperature, d_top_k, d_seed);
+  DraftScratch scratch;
+  const int64_t vocab = draft.vocab_size();
+  // The draft's choice after its pass at draft position ``pos``: whether another pass follows.
+  const auto take = [&](const float* row, int64_t pos) {
+    int64_t token = 0;
+    float lr = 0.f;
+    best_child(row, vocab, pos + 1 + offset, choice, scratch, token, lr);
+    if (lr == -std::numeric_limits<float>::infinity()) return false;
     chain.push_back(token);
     logr.push_back(lr);
     if (planned) {
       const int bin = std::min(9, std::max(0, static_cast<int>(std::exp(static_cast<double>(lr)) * 10)));
       value.push_back((value.empty() ? 1.0 : value.back()) * calibration[bin]);
-      if (!(value.back() > go[value.size() - 1])) break;
+      if (!(value.back() > go[value.size() - 1])) return false;
     }
-    tokens.assign(1, token);
-    positions.assign(1, d_root + static_cast<int64_t>(chain.size()) - 1);
+    return static_cast<int64_t>(chain.size()) - 1 < depth;
+  };
+  // A pass over ``tokens`` at positions from ``pos0``, as forward_ids computes it, and the choice.
+  const auto pass = [&](const std::vector<int64_t>& tokens, int64_t pos0) {
+    const auto t0 = clock::now();
+    std::vector<int64_t> positions(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) positions[i] = pos0 + static_cast<int64_t>(i);
+    written += static_cast<int64_t>(tokens.size());
+    const torch::Tensor logits = draft.forward_ids(tokens, positions, dk, dv, d_start, written, c10::nullopt, true);
+    ++passes;
+    const bool more = take(logits.data_ptr<float>(), positions.back());
+    draft_seconds += secs(t0, clock::now());
+    return more;
+  };
+  // The first pass over the tokens the draft has not seen; then passes of one token each, in one
+  // step region (NativeGPT2::step_region) or, for comparisons, a forward_ids call each.
+  const bool alone = unseen.size() == 1;  // the root alone: the first pass is one token's too
+  bool more = alone || pass(unseen, d_pos0);
+  if (more && step_region()) {
+    const NativeGPT2::Step first = alone ? NativeGPT2::Step{unseen[0], d_pos0, d_start, 1}
+                                         : NativeGPT2::Step{chain.back(), d_root + 1, d_start, written + 1};
+    draft_seconds += draft.step_region(dk, dv, first, [&](const float* row, NativeGPT2::Step& step) {
+      ++passes;
+      written = step.m;
+      if (!take(row, step.position)) return false;
+      step = NativeGPT2::Step{chain.back(), step.position + 1, step.start, step.m + 1};
+      return true;
+    });
+  } else if (more) {
+    if (alone) more = pass(unseen, d_pos0);
+    while (more) more = pass({chain.back()}, d_root + static_cast<int64_t>(chain.size()) - 1);
   }
   if (planned)
     while (chain.size() > 1 && !(value[chain.size() - 2] > keep[chain.size() - 2])) {
@@ -1992,16 +2061,6 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
     if (stop_token >= 0 && std::find(emitted.begin(), emitted.end(), stop_token) != emitted.end()) break;
   }
   return {out, lengths, unseen, d_kept, d_passes, d_rows, d_seconds, o_seconds, o_rows, lookup_rounds};
-}
-
-// Whether plain steps (lookup_steps at depth 0) run in one OpenMP region (NativeGPT2::decode_steps)
-// or a forward_ids call a pass, as prompt lookup's steps do: the same tokens and cache entries
-// either way. On by default; the switch is for the tests and benches that compare the two.
-std::atomic<bool> g_step_region{true};
-bool step_region() { return g_step_region.load(std::memory_order_relaxed); }
-bool set_step_region(bool on) {
-  g_step_region.store(on, std::memory_order_relaxed);
-  return on;
 }
 
 // Plain decoding's steps with prompt lookup, the cheapest stage of all (no draft model), without
@@ -2323,10 +2382,11 @@ void register_native_forward(py::module& m) {
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token"),
         py::call_guard<py::gil_scoped_release>());
   m.def("set_step_region", &set_step_region,
-        "run plain steps (plain_steps, lookup_steps at depth 0) in one OpenMP region (True, the default) or a "
-        "forward pass a call (False; the same tokens and cache entries, for comparisons); returns the setting",
+        "run plain steps (plain_steps, lookup_steps at depth 0) and a draft chain's passes after its first in one "
+        "OpenMP region (True, the default) or a forward pass a call (False; the same tokens and cache entries, for "
+        "comparisons); returns the setting",
         py::arg("on"));
-  m.def("step_region", &step_region, "whether plain steps run in one OpenMP region (set_step_region)");
+  m.def("step_region", &step_region, "whether runs of one-token passes take one OpenMP region (set_step_region)");
   m.def("lookup_steps", &lookup_steps,
         "up to n decoding steps of cache row 0 in one call, as plain_steps, each pass also verifying the tokens "
         "prompt lookup finds after the context's last 3 (down to `min_order`) tokens, at most `depth`; entries left "

@@ -33,6 +33,31 @@ ChoiceRule choice_rule(double temperature, int64_t top_k, double top_p, uint64_t
 // verify_tree's choice (the noise of ``position``). ``z``: scratch.
 int64_t choose_at(const float* row, int64_t V, int64_t position, const ChoiceRule& rule, std::vector<float>& z);
 
+// One row of top_children: its k (1-64) largest entries (ties to the smaller id) to ip and their
+// log-softmax values to lp.
+void top_row(const float* row, int64_t V, int64_t k, int64_t* ip, float* lp);
+
+// The draft's rule for its best child (draft_choice checks it once): temperature 0, the largest
+// logit (top_children's); else the best perturbed score at the position's noise (perturbed_children's).
+struct DraftChoice {
+  float temperature;
+  int64_t top_k;
+  uint64_t seed;
+};
+DraftChoice draft_choice(double temperature, int64_t top_k, uint64_t seed);
+
+// Scratch for best_child.
+struct DraftScratch {
+  std::vector<float> z, sc;
+  std::vector<std::pair<float, int64_t>> cand;
+};
+
+// The draft's best child of one row of V logits under ``choice`` at ``position``'s noise, and its
+// log r: the bits of top_children(row, 1) or perturbed_children(row, .., 1). log r is -inf where
+// the row offers no child.
+void best_child(const float* row, int64_t V, int64_t position, const DraftChoice& choice, DraftScratch& s,
+                int64_t& token, float& logr);
+
 // ALGORITHMS.md sec. 4 over a tree's logits: (accepted path, emitted tokens).
 std::pair<std::vector<int64_t>, std::vector<int64_t>> verify_tree(
     const torch::Tensor& logits, const std::vector<int64_t>& tokens, const std::vector<int64_t>& parents,

@@ -622,6 +622,67 @@ bool children_by_ratio(const std::vector<float>& z, int64_t V, float lse, uint32
 // The draft's children of each row at T > 0: the k best tokens by the perturbed score
 // s = log p' + g (the top-p cut is not applied: drafts are guesses), and log r = s - logsumexp(s)
 // over the tokens that matter (those within kGumbelMax + 30 of the best; the rest weigh < e^-30).
+namespace {
+
+// One row of perturbed_children: its kk best children (ids to ip, log r to lp; -inf past the
+// candidates). ``z``, ``sc`` and ``cand``: scratch.
+void perturbed_row(const float* row, int64_t V, const Rule& rule, uint32_t key, int64_t kk, int64_t* ip, float* lp,
+                   std::vector<float>& z, std::vector<float>& sc, std::vector<std::pair<float, int64_t>>& cand) {
+  const bool sparse = rule.top_k > 0 && rule.top_k < V;
+  cand.clear();
+  if (sparse) {
+    z.resize(V);
+    for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
+    const std::vector<int64_t> ids = top_ids(z, rule.top_k);
+    double sum = 0.0;
+    for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - z[ids[0]]));
+    const float lse = z[ids[0]] + static_cast<float>(std::log(sum));
+    for (int64_t id : ids) cand.emplace_back(z[id] - lse + gumbel(key, id), id);
+  } else {
+    const float lse = scaled_row(row, V, rule.temperature, z);
+    float sum_norm = 0.f;
+    if (std::isfinite(lse) && children_by_ratio(z, V, lse, key, kk, sc, cand, sum_norm)) {
+      for (int64_t c = 0; c < kk; ++c) {
+        const bool have = c < static_cast<int64_t>(cand.size());
+        ip[c] = have ? cand[c].second : 0;
+        lp[c] = have ? cand[c].first - sum_norm : kNegInf;
+      }
+      return;
+    }
+    cand.clear();
+    perturbed_scores(z, V, lse, key, sc);
+    sc.resize(V);
+    for (int64_t id : top_ids(sc, kk)) cand.emplace_back(sc[id], id);
+    const vec vmx = vset1(cand[0].first);
+    vec acc = vzero();
+    int64_t j = 0;
+    for (; j + kLanes <= V; j += kLanes) acc = vadd(acc, vexp(vsub(vload(sc.data() + j), vmx)));
+    double total = vsum(acc);
+    for (; j < V; ++j) total += std::exp(static_cast<double>(sc[j] - cand[0].first));
+    const float norm = cand[0].first + static_cast<float>(std::log(total));
+    for (int64_t c = 0; c < kk; ++c) {
+      ip[c] = cand[c].second;
+      lp[c] = cand[c].first - norm;
+    }
+    return;
+  }
+  float mx = kNegInf;
+  for (auto& c : cand) mx = std::max(mx, c.first);
+  double sum = 0.0;
+  for (auto& c : cand) sum += std::exp(static_cast<double>(c.first - mx));
+  const float lse = mx + static_cast<float>(std::log(sum));
+  const int64_t take = std::min<int64_t>(kk, cand.size());
+  std::partial_sort(cand.begin(), cand.begin() + take, cand.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (int64_t j = 0; j < kk; ++j) {
+    ip[j] = j < take ? cand[j].second : 0;
+    lp[j] = j < take ? cand[j].first - lse : kNegInf;
+  }
+}
+
+}  // namespace
+
 std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint64_t seed,
                                               const std::vector<int64_t>& positions, double temperature,
                                               int64_t top_k, int64_t k) {
@@ -641,61 +702,25 @@ std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint6
   const float* p = logits.data_ptr<float>();
   std::vector<float> z, sc;
   std::vector<std::pair<float, int64_t>> cand;
-  for (int64_t r = 0; r < N; ++r) {
-    const uint32_t key = noise_key(seed, positions[r]);
-    const float* row = p + r * V;
-    cand.clear();
-    if (sparse) {
-      z.resize(V);
-      for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
-      const std::vector<int64_t> ids = top_ids(z, rule.top_k);
-      double sum = 0.0;
-      for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - z[ids[0]]));
-      const float lse = z[ids[0]] + static_cast<float>(std::log(sum));
-      for (int64_t id : ids) cand.emplace_back(z[id] - lse + gumbel(key, id), id);
-    } else {
-      const float lse = scaled_row(row, V, rule.temperature, z);
-      float sum_norm = 0.f;
-      if (std::isfinite(lse) && children_by_ratio(z, V, lse, key, kk, sc, cand, sum_norm)) {
-        for (int64_t c = 0; c < kk; ++c) {
-          const bool have = c < static_cast<int64_t>(cand.size());
-          ip[r * kk + c] = have ? cand[c].second : 0;
-          lp[r * kk + c] = have ? cand[c].first - sum_norm : kNegInf;
-        }
-        continue;
-      }
-      cand.clear();
-      perturbed_scores(z, V, lse, key, sc);
-      sc.resize(V);
-      for (int64_t id : top_ids(sc, kk)) cand.emplace_back(sc[id], id);
-      const vec vmx = vset1(cand[0].first);
-      vec acc = vzero();
-      int64_t j = 0;
-      for (; j + kLanes <= V; j += kLanes) acc = vadd(acc, vexp(vsub(vload(sc.data() + j), vmx)));
-      double total = vsum(acc);
-      for (; j < V; ++j) total += std::exp(static_cast<double>(sc[j] - cand[0].first));
-      const float norm = cand[0].first + static_cast<float>(std::log(total));
-      for (int64_t c = 0; c < kk; ++c) {
-        ip[r * kk + c] = cand[c].second;
-        lp[r * kk + c] = cand[c].first - norm;
-      }
-      continue;
-    }
-    float mx = kNegInf;
-    for (auto& c : cand) mx = std::max(mx, c.first);
-    double sum = 0.0;
-    for (auto& c : cand) sum += std::exp(static_cast<double>(c.first - mx));
-    const float lse = mx + static_cast<float>(std::log(sum));
-    const int64_t take = std::min<int64_t>(kk, cand.size());
-    std::partial_sort(cand.begin(), cand.begin() + take, cand.end(), [](const auto& a, const auto& b) {
-      return a.first > b.first || (a.first == b.first && a.second < b.second);
-    });
-    for (int64_t j = 0; j < kk; ++j) {
-      ip[r * kk + j] = j < take ? cand[j].second : 0;
-      lp[r * kk + j] = j < take ? cand[j].first - lse : kNegInf;
-    }
-  }
+  for (int64_t r = 0; r < N; ++r)
+    perturbed_row(p + r * V, V, rule, noise_key(seed, positions[r]), kk, ip + r * kk, lp + r * kk, z, sc, cand);
   return {idx, logr};
+}
+
+DraftChoice draft_choice(double temperature, int64_t top_k, uint64_t seed) {
+  if (temperature == 0) return DraftChoice{0.f, 0, seed};
+  const Rule rule = make_rule(temperature, top_k, 1.0);
+  return DraftChoice{rule.temperature, rule.top_k, seed};
+}
+
+void best_child(const float* row, int64_t V, int64_t position, const DraftChoice& choice, DraftScratch& s,
+                int64_t& token, float& logr) {
+  if (choice.temperature == 0.f) {
+    top_row(row, V, 1, &token, &logr);
+    return;
+  }
+  perturbed_row(row, V, Rule{choice.temperature, choice.top_k, 1.0}, noise_key(choice.seed, position), 1, &token,
+                &logr, s.z, s.sc, s.cand);
 }
 
 namespace {

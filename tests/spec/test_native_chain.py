@@ -270,6 +270,38 @@ def _draft_chain_reference(draft, prompt, depth):
     return tokens, probs
 
 
+@pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p"])
+def test_chain_passes_in_one_step_region_over_two_threads_equal_the_python_rounds(pair, params):
+    """Over 2 threads, a native chain round's draft passes after its first run in one OpenMP
+    region (``NativeGPT2::step_region``, the default; the draft's best child by ``best_child``):
+    round by round the tokens of the Python rounds (2 threads too; their child choice is
+    ``top_children`` / ``perturbed_children`` on tensors), both caches bit for bit, and the same
+    as a ``forward_ids`` call a pass (``set_step_region(False)``); whole context and a window."""
+    oracle, draft = (load_model(d) for d in pair)
+    prompt = torch.randint(0, oracle.config.vocab_size, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    saved, was = torch.get_num_threads(), _cpu.step_region()
+    try:
+        torch.set_num_threads(2)
+        for window in (None, 4):
+            with torch.inference_mode():
+                want, want_rounds = _run(_make(PythonRounds, oracle, draft, params, 4, window), prompt, 40)
+                for region in (True, False):
+                    _cpu.set_step_region(region)
+                    for cls in (NativeRounds, SpeculativeDecoder):
+                        dec = _make(cls, oracle, draft, params, 4, window)
+                        python = _make(PythonRounds, oracle, draft, params, 4, window)
+                        got, got_rounds = _run(dec, prompt, 40)
+                        _run(python, prompt, 40)
+                        assert got == want, (window, region, cls.__name__)
+                        if cls is NativeRounds:
+                            assert got_rounds == want_rounds
+                        _assert_same_state(dec, python)
+                    _cpu.set_step_region(was)
+    finally:
+        torch.set_num_threads(saved)
+        _cpu.set_step_region(was)
+
+
 @pytest.mark.parametrize("go,keep,expect", [
     ([0.7, 0.6, 0.3, 0.5, 0.0, 0.0], [0.0] * 6, 4),  # A = c, c^2, ..: the 4th pass is not worth it
     ([0.7, 0.6, 0.3, 0.5, 0.0, 0.0], [0.1, 0.1, 0.45, 0.45, 0, 0], 3),  # the 4th token is not worth its node
