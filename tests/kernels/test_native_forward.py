@@ -755,10 +755,21 @@ def test_a_spent_budget_still_times_the_first_counts(checkpoints):
     assert start == WIDE_LADDER[0] and list(ratios) == [str(n) for n in WIDE_LADDER[:2]]
 
 
-def test_the_crossover_is_not_swayed_by_which_packing_runs_first(checkpoints):
-    """Two packings of equal speed, where the pass run second in a round is 2 ms slower (as a
-    pass after another packing's can be): each runs second in half the rounds, so neither is
-    found faster (with an odd count of rounds one of them would be)."""
+class _FakeClock:
+    """``time.perf_counter`` for the crossover's timing tests: passes advance it by exact
+    durations, so a loaded machine (the suite's other workers) cannot reorder what they time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_crossover_is_not_swayed_by_which_packing_runs_first(checkpoints, monkeypatch):
+    """Two packings of equal speed (1 ms a pass), where the pass run second in a round is 2 ms
+    slower (as a pass after another packing's can be): each runs second in half the rounds, so
+    neither is found faster (with an odd count of rounds one of them would be)."""
     import time
 
     from staged_engine.model.backend import wide_crossover
@@ -766,11 +777,12 @@ def test_the_crossover_is_not_swayed_by_which_packing_runs_first(checkpoints):
     model = load_model(checkpoints["odd96"])
     native = TorchBackend(native=True, wide_weights=False).native_model(model)
     last = []
+    clock = _FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
 
     class Timed:
         def forward_ids(self, *args):
-            if last and last[-1] is not self:
-                time.sleep(0.002)
+            clock.now += 0.001 + (0.002 if last and last[-1] is not self else 0.0)
             last.append(self)
             return native.forward_ids(*args)
 
@@ -778,16 +790,18 @@ def test_the_crossover_is_not_swayed_by_which_packing_runs_first(checkpoints):
     assert start is None and ratios and all(r > 1 for r in ratios.values())
 
 
-def test_a_narrow_win_must_hold_over_more_rounds(checkpoints):
+def test_a_narrow_win_must_hold_over_more_rounds(checkpoints, monkeypatch):
     """A packing 0.95x the other's time over a count's first rounds (a win by less than three
     margins) and 1.10x after: timed again, it loses, at every count; one 0.80x throughout wins
-    at once. Passes spin on the clock for exact durations."""
+    at once. Passes advance a fake clock by exact durations."""
     import time
 
     from staged_engine.model.backend import WIDE_LADDER, wide_crossover
 
     model = load_model(checkpoints["odd96"])
     calls: dict[int, int] = {}
+    clock = _FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock)
 
     class Spin:
         def __init__(self, early, late):
@@ -797,9 +811,7 @@ def test_a_narrow_win_must_hold_over_more_rounds(checkpoints):
             if self.early != self.late:  # the first 9 passes of a count (warm-up + 8 rounds) are early
                 calls[len(ids)] = calls.get(len(ids), 0) + 1
             late = calls.get(len(ids), 0) > 9
-            end = time.perf_counter() + (self.late if late else self.early)
-            while time.perf_counter() < end:
-                pass
+            clock.now += self.late if late else self.early
 
     start, ratios = wide_crossover(Spin(0.00095, 0.0011), Spin(0.001, 0.001), model.config, rows=WIDE_LADDER[:4])
     assert start is None and all(r > 1 for r in ratios.values())
