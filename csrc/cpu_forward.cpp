@@ -27,6 +27,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -1384,26 +1385,54 @@ class NativeGPT2 {
                /*flat=*/true);
   }
 
-  // One pass of a step region: over ``token`` at ``position``, with ``start`` committed slots of
-  // row 0 and ``m`` entries past them visible to it, its own the last (slot start + m - 1), as
-  // forward_ids(.., start, m, ..) computes a pass over one token.
+  // The most tokens a step region's pass takes (lookup_steps: the root and up to 8 guesses).
+  static constexpr int64_t kStepRows = 9;
+
+  // One pass of a step region: over ``n`` tokens at positions ``position``.., with ``start``
+  // committed slots of row 0 and ``m`` entries past them visible to it, its own the last n (slots
+  // start + m - n ..; each token sees those before it), as forward_ids(.., start, m, ..) computes
+  // a pass over a chain.
   struct Step {
-    int64_t token, position, start, m;
+    int64_t n = 0;
+    std::array<int64_t, kStepRows> tokens{};
+    int64_t position = -1, start = -1, m = 0;
+
+    static Step one(int64_t token, int64_t position, int64_t start, int64_t m) {
+      Step s;
+      s.n = 1;
+      s.tokens[0] = token;
+      s.position = position;
+      s.start = start;
+      s.m = m;
+      return s;
+    }
+    // A chain of tokens at slots and positions from ``at`` (one of more than kStepRows tokens keeps
+    // its count, which step_region refuses).
+    static Step chain(const std::vector<int64_t>& tokens, int64_t at) {
+      Step s;
+      s.n = static_cast<int64_t>(tokens.size());
+      std::copy(tokens.begin(), tokens.begin() + std::min<int64_t>(s.n, kStepRows), s.tokens.begin());
+      s.position = s.start = at;
+      s.m = s.n;
+      return s;
+    }
   };
 
-  // Passes of one token each over cache row 0 in one OpenMP region, from ``first`` on: after
-  // each, thread 0 calls ``next(logits, step)`` (logits: V floats), which returns false to stop
-  // or sets ``step`` to the next pass. Each pass is forward_ids' over one token, so the logits and
-  // the cache entries are the bits of a call a pass; what the region spares is each pass's fork
-  // and join of the threads and its setup: between passes the partners spin at a barrier while
-  // thread 0 chooses and embeds the next token. A step outside the cache, the model's positions
-  // or the vocabulary ends the run before its pass and is reported after the region. Returns the
-  // region's seconds.
+  // Passes over cache row 0 in one OpenMP region, from ``first`` on, each over at most
+  // ``max_rows`` (<= kStepRows) tokens: after each, thread 0 calls ``next(logits, step)`` (logits:
+  // step.n rows of V floats), which returns false to stop or sets ``step`` to the next pass.
+  // Each pass is forward_ids' over its tokens, so the logits and the cache entries are the bits of
+  // a call a pass; what the region spares is each pass's fork and join of the threads and its
+  // setup: between passes the partners spin at a barrier while thread 0 chooses and embeds the
+  // next tokens. A step outside the cache, the model's positions, the vocabulary or ``max_rows``
+  // ends the run before its pass and is reported after the region. Returns the region's seconds.
   template <typename Next>
-  double step_region(torch::Tensor& k_all, torch::Tensor& v_all, Step first, Next&& next) {
+  double step_region(torch::Tensor& k_all, torch::Tensor& v_all, const Step& first, int64_t max_rows, Next&& next) {
     const int64_t S = check_cache(k_all, v_all, 1);
+    SE_CHECK(max_rows >= 1 && max_rows <= kStepRows, "max_rows must be in [1, ", kStepRows, "], got ", max_rows);
     const int64_t C = C_;
-    std::vector<float> x(C), qkv(3 * C), att(C), ff(inner_), logits(V_);
+    std::vector<float> x(max_rows * C), qkv(max_rows * 3 * C), att(max_rows * C), ff(max_rows * inner_),
+        logits(max_rows * V_);
     Step cur = first;
     int64_t write = 0;
     Pass ps = cache_pass(k_all, v_all);
@@ -1415,21 +1444,35 @@ class NativeGPT2 {
     ps.ff = ff.data();
     ps.lp = logits.data();
     const int mode = group_runs_mode();
-    const bool choose = mode == kRunsAuto;
     FormChooser::Pick pick{mode != kRunsOff, FormChooser::kExploit};
+    bool choose = false;
     std::chrono::steady_clock::time_point t_pass;
-    Step bad{-1, -1, -1, -1};  // a step refused, reported after the region
+    // A step refused (thread 0 sets it; reported after the region): 1 its rows, 2 its slots, 3 its
+    // positions, 4 a token (forward_ids' order of checks).
+    Step bad;
+    int why = 0;
+    int64_t bad_token = 0;
     const auto begin = [&]() {  // thread 0, the partners at a barrier (or not yet forked)
-      if (cur.token < 0 || cur.token >= V_ || cur.position < 0 || cur.position >= P_ || cur.start < 0 || cur.m < 1 ||
-          cur.start + cur.m > S) {
+      why = cur.n < 1 || cur.n > max_rows                                 ? 1
+            : cur.start < 0 || cur.m < cur.n || cur.start + cur.m > S     ? 2
+            : cur.position < 0 || cur.position + cur.n > P_               ? 3
+                                                                          : 0;
+      for (int64_t i = 0; why == 0 && i < cur.n; ++i)
+        if (cur.tokens[i] < 0 || cur.tokens[i] >= V_) {
+          why = 4;
+          bad_token = cur.tokens[i];
+        }
+      if (why != 0) {
         bad = cur;
         return false;
       }
-      write = cur.start + cur.m - 1;
+      write = cur.start + cur.m - cur.n;
+      ps.N = ps.out_rows = cur.n;
       ps.M = cur.m;
-      embed(cur.token, cur.position, x.data());
-      if (choose) pick = chooser_.pick(1);
-      ps.runs = pick.on;
+      for (int64_t i = 0; i < cur.n; ++i) embed(cur.tokens[i], cur.position + i, x.data() + i * C);
+      choose = mode == kRunsAuto && cur.n <= 3;
+      if (choose) pick = chooser_.pick(cur.n);
+      ps.runs = choose ? pick.on : mode != kRunsOff;
       t_pass = std::chrono::steady_clock::now();
       return true;
     };
@@ -1440,24 +1483,25 @@ class NativeGPT2 {
 #pragma omp parallel num_threads(forward_threads())
       {
         const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-        Scratch s(C, 1);
+        Scratch s(max_rows * C, max_rows);
         while (true) {
           body(ps, tid, nth, barrier, s);
           barrier.wait(nth);  // the logits are whole
           if (tid == 0) {
             if (choose)
-              chooser_.record(1, pick,
+              chooser_.record(cur.n, pick,
                               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_pass).count());
             done = !next(static_cast<const float*>(logits.data()), cur) || !begin();
           }
-          barrier.wait(nth);  // the next pass's token, slots and form are set (or done)
+          barrier.wait(nth);  // the next pass's tokens, slots and form are set (or done)
           if (done) break;
         }
       }
     }
-    SE_CHECK(bad.m < 0, "a step over token ", bad.token, " at position ", bad.position, " in slots [", bad.start, ", ",
-             bad.start + bad.m, ") does not fit the vocabulary [0, ", V_, "), the positions [0, ", P_,
-             ") or the cache's ", S, " slots");
+    SE_CHECK(why != 1, "a pass over ", bad.n, " tokens: the region takes 1-", max_rows);
+    SE_CHECK(why != 2, "a pass's slots [", bad.start + bad.m - bad.n, ", ", bad.start + bad.m, ") exceed the cache's ", S);
+    SE_CHECK(why != 3, "a pass's positions [", bad.position, ", ", bad.position + bad.n, ") exceed the model's ", P_);
+    SE_CHECK(why != 4, "token id ", bad_token, " is outside the vocabulary [0, ", V_, ")");
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
@@ -1477,11 +1521,11 @@ class NativeGPT2 {
     std::vector<int64_t> out;
     out.reserve(static_cast<size_t>(n));
     std::vector<float> z;
-    seconds += step_region(k_all, v_all, Step{root, start, start, 1}, [&](const float* logits, Step& step) {
+    seconds += step_region(k_all, v_all, Step::one(root, start, start, 1), 1, [&](const float* logits, Step& step) {
       const int64_t y = choose_at(logits, V_, step.position + 1, rule, z);
       out.push_back(y);
       if (y == stop_token || static_cast<int64_t>(out.size()) == n) return false;
-      step = Step{y, step.position + 1, step.start + 1, 1};
+      step = Step::one(y, step.position + 1, step.start + 1, 1);
       return true;
     });
     return out;
@@ -1913,13 +1957,13 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
   const bool alone = unseen.size() == 1;  // the root alone: the first pass is one token's too
   bool more = alone || pass(unseen, d_pos0);
   if (more && step_region()) {
-    const NativeGPT2::Step first = alone ? NativeGPT2::Step{unseen[0], d_pos0, d_start, 1}
-                                         : NativeGPT2::Step{chain.back(), d_root + 1, d_start, written + 1};
-    draft_seconds += draft.step_region(dk, dv, first, [&](const float* row, NativeGPT2::Step& step) {
+    const NativeGPT2::Step first = alone ? NativeGPT2::Step::one(unseen[0], d_pos0, d_start, 1)
+                                         : NativeGPT2::Step::one(chain.back(), d_root + 1, d_start, written + 1);
+    draft_seconds += draft.step_region(dk, dv, first, 1, [&](const float* row, NativeGPT2::Step& step) {
       ++passes;
       written = step.m;
       if (!take(row, step.position)) return false;
-      step = NativeGPT2::Step{chain.back(), step.position + 1, step.start, step.m + 1};
+      step = NativeGPT2::Step::one(chain.back(), step.position + 1, step.start, step.m + 1);
       return true;
     });
   } else if (more) {
@@ -2112,7 +2156,8 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   out.reserve(static_cast<size_t>(n));
   int64_t slot = start, proposed = 0, kept = 0;
   double forward_seconds = 0.0;
-  while (static_cast<int64_t>(out.size()) < n) {
+  // The next pass's chain: the root and what prompt lookup proposes.
+  const auto propose = [&]() {
     const int64_t len = static_cast<int64_t>(seq.size());
     const int64_t room = std::min<int64_t>(depth, n - static_cast<int64_t>(out.size()) - 1);
     chain.assign(1, seq.back());
@@ -2122,9 +2167,9 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
       extend_lookup_chain(chain, seq, from, room);
       break;
     }
-    // Slots slot.. as a committed row of length ``slot`` with the chain's new entries (bounds
-    // checked in forward_ids).
-    std::tie(path, emitted) = verify_chain(model, k, v, chain, slot, slot, temperature, top_k, top_p, seed, forward_seconds);
+  };
+  // A pass's walk emitted ``emitted``: keep them; whether another pass follows.
+  const auto settle = [&]() {
     proposed += static_cast<int64_t>(chain.size()) - 1;
     // The root and path.size() - 1 kept tokens are in place; the rest is overwritten by the next pass.
     const auto stop = std::find(emitted.begin(), emitted.end(), stop_token);
@@ -2137,9 +2182,36 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
       seq.insert(seq.end(), emitted.begin(), emitted.end());
     else
       seq.back() = emitted.back();
-    if (stopped) break;
+    if (stopped) return false;
     slot += static_cast<int64_t>(emitted.size());
+    return static_cast<int64_t>(out.size()) < n;
+  };
+  if (step_region()) {  // every pass in one region (NativeGPT2::step_region), walked as verify_tree walks a chain
+    const ChoiceRule rule = choice_rule(temperature, top_k, top_p, seed);
+    const int64_t vocab_rows = model.vocab_size();
+    std::vector<float> z;
+    propose();
+    forward_seconds += model.step_region(
+        k, v, NativeGPT2::Step::chain(chain, slot), depth + 1, [&](const float* logits, NativeGPT2::Step& step) {
+          emitted.clear();
+          for (int64_t node = 0;; ++node) {
+            const int64_t y = choose_at(logits + node * vocab_rows, vocab_rows, slot + node + 1, rule, z);
+            emitted.push_back(y);
+            if (node + 1 >= step.n || step.tokens[node + 1] != y) break;
+          }
+          if (!settle()) return false;
+          propose();
+          step = NativeGPT2::Step::chain(chain, slot);
+          return true;
+        });
+    return {out, forward_seconds, lengths, proposed, kept};
   }
+  do {
+    propose();
+    // Slots slot.. as a committed row of length ``slot`` with the chain's new entries (bounds
+    // checked in forward_ids).
+    std::tie(path, emitted) = verify_chain(model, k, v, chain, slot, slot, temperature, top_k, top_p, seed, forward_seconds);
+  } while (settle());
   return {out, forward_seconds, lengths, proposed, kept};
 }
 

@@ -193,3 +193,38 @@ def test_lookup_steps_refuse_bad_arguments(pair):
     with pytest.raises(ValueError, match="KV cache overflow"):  # the runner checks the room first
         runner.lookup_steps(4, runner.max_len, (0.0, 0, 1.0, 0), [1, 2, 3], 2, 3)
     assert runner.cache.pending == 0 and runner.length == 3
+
+
+@pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p", "temperature"])
+def test_lookup_steps_in_one_region_give_the_bits_of_a_pass_a_call(pair, params):
+    """Plain steps with prompt lookup in one OpenMP region (``NativeGPT2::step_region``, passes of
+    1-9 rows, the default) against a ``forward_ids`` call and a ``verify_tree`` walk a pass
+    (``set_step_region(False)``): the same tokens, passes, guesses proposed and kept, and
+    bit-equal cache entries, over 1 and 2 threads, depths 1-8, through a stop token."""
+    model = load_model(pair[0])
+    sampling = SamplingConfig.make(params, model.config.vocab_size)
+    saved, was = torch.get_num_threads(), _cpu.step_region()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for depth, order in ((1, 3), (2, 3), (8, 1)):
+                runs = {}
+                for region in (False, True):
+                    _cpu.set_step_region(region)
+                    with torch.inference_mode():
+                        got, runner, lengths, proposed, kept = _lookup(model, sampling, PROMPT, 40, depth, order)
+                    n = runner.length
+                    runs[region] = (got, lengths, proposed, kept, runner.cache.k[..., :n, :].clone(),
+                                    runner.cache.v[..., :n, :].clone())
+                off, on = runs[False], runs[True]
+                where = f"{threads} threads, depth {depth}"
+                assert on[:4] == off[:4], where
+                assert torch.equal(on[4], off[4]) and torch.equal(on[5], off[5]), where
+                stop = off[0][23]
+                _cpu.set_step_region(True)
+                with torch.inference_mode():
+                    stopped, *_ = _lookup(model, sampling, PROMPT, 40, depth, order, stop_token=stop)
+                assert stopped == off[0][:off[0].index(stop) + 1], where
+    finally:
+        torch.set_num_threads(saved)
+        _cpu.set_step_region(was)
