@@ -2188,14 +2188,13 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   };
   if (step_region()) {  // every pass in one region (NativeGPT2::step_region), walked as verify_tree walks a chain
     const ChoiceRule rule = choice_rule(temperature, top_k, top_p, seed);
-    const int64_t vocab_rows = model.vocab_size();
     std::vector<float> z;
     propose();
     forward_seconds += model.step_region(
         k, v, NativeGPT2::Step::chain(chain, slot), depth + 1, [&](const float* logits, NativeGPT2::Step& step) {
           emitted.clear();
           for (int64_t node = 0;; ++node) {
-            const int64_t y = choose_at(logits + node * vocab_rows, vocab_rows, slot + node + 1, rule, z);
+            const int64_t y = choose_at(logits + node * vocab, vocab, slot + node + 1, rule, z);
             emitted.push_back(y);
             if (node + 1 >= step.n || step.tokens[node + 1] != y) break;
           }

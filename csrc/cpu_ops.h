@@ -1,5 +1,7 @@
-// The sampling and child-scoring entry points of staged_engine._cpu that other translation units
-// call directly (cpu_forward.cpp's chain round): defined in cpu_kernels.cpp and cpu_sampling.cpp.
+// The sampling and child-scoring entry points of staged_engine._cpu, tensor and one-row forms:
+// defined in cpu_kernels.cpp and cpu_sampling.cpp (which include this header, so a declaration
+// cannot drift from its definition); cpu_forward.cpp's step regions and chain rounds call the
+// one-row forms (choose_at, best_child) and verify_tree directly.
 #pragma once
 
 #include <torch/extension.h>
