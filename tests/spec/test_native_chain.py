@@ -296,7 +296,6 @@ def test_chain_passes_in_one_step_region_over_two_threads_equal_the_python_round
                         if cls is NativeRounds:
                             assert got_rounds == want_rounds
                         _assert_same_state(dec, python)
-                    _cpu.set_step_region(was)
     finally:
         torch.set_num_threads(saved)
         _cpu.set_step_region(was)
