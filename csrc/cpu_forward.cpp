@@ -1335,6 +1335,7 @@ class NativeGPT2 {
   bool streaming() const { return head_.stream; }
 
   int64_t vocab_size() const { return V_; }
+  int64_t n_positions() const { return P_; }
 
   int64_t weight_bytes() const {
     size_t total = head_.bytes();
@@ -1383,6 +1384,19 @@ class NativeGPT2 {
     const int64_t N = static_cast<int64_t>(tokens.size());
     return run(tokens.data(), positions.data(), 1, N, k_all, v_all, {start + M - N}, {start}, M, mask_in, last_only,
                /*flat=*/true);
+  }
+
+  // The K/V cache's checks (a ``B``-row cache of this model's shape); returns its slots a row.
+  int64_t check_cache(const torch::Tensor& k_all, const torch::Tensor& v_all, int64_t B) const {
+    const int64_t L = static_cast<int64_t>(blocks_.size());
+    SE_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
+                 k_all.strides() == v_all.strides() && k_all.stride(4) == 1 &&
+                 (k_all.scalar_type() == torch::kFloat32 || k_all.scalar_type() == torch::kHalf) &&
+                 v_all.scalar_type() == k_all.scalar_type(),
+             "k_cache and v_cache must be float32 or float16 (L, B, H, S, D) with unit stride over D, and alike");
+    SE_CHECK(k_all.size(0) == L && k_all.size(1) == B && k_all.size(2) == n_head_ && k_all.size(4) == D_,
+             "the cache must be (", L, ", ", B, ", ", n_head_, ", S, ", D_, "), got ", k_all.sizes());
+    return k_all.size(3);
   }
 
   // The most tokens a step region's pass takes (lookup_steps: the root and up to 8 guesses).
@@ -1503,32 +1517,6 @@ class NativeGPT2 {
     SE_CHECK(why != 3, "a pass's positions [", bad.position, ", ", bad.position + bad.n, ") exceed the model's ", P_);
     SE_CHECK(why != 4, "token id ", bad_token, " is outside the vocabulary [0, ", V_, ")");
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-
-  // Plain decoding's steps over cache row 0 in one step region (plain_steps): a pass over
-  // ``root`` at slot and position ``start`` (every slot before it committed), the rule's choice
-  // of the next token (choose_at: verify_tree's), fed back at start + 1, and so on, until ``n``
-  // tokens or one equal to ``stop_token`` (-1: none): the tokens and cache entries of a
-  // forward_ids call and a verify_tree walk a step. Returns the tokens (their entries written, one
-  // a slot from ``start``); adds the region's seconds to ``seconds``.
-  std::vector<int64_t> decode_steps(torch::Tensor& k_all, torch::Tensor& v_all, int64_t start, int64_t root, int64_t n,
-                                    const ChoiceRule& rule, int64_t stop_token, double& seconds) {
-    const int64_t S = check_cache(k_all, v_all, 1);
-    SE_CHECK(n >= 1, "n must be >= 1, got ", n);
-    SE_CHECK(start >= 0 && start + n <= S, "the steps' slots [", start, ", ", start + n, ") exceed the cache's ", S);
-    SE_CHECK(start + n - 1 < P_, "the steps' positions [", start, ", ", start + n, ") exceed the model's ", P_);
-    SE_CHECK(root >= 0 && root < V_, "root must be a token id in [0, ", V_, "), got ", root);
-    std::vector<int64_t> out;
-    out.reserve(static_cast<size_t>(n));
-    std::vector<float> z;
-    seconds += step_region(k_all, v_all, Step::one(root, start, start, 1), 1, [&](const float* logits, Step& step) {
-      const int64_t y = choose_at(logits, V_, step.position + 1, rule, z);
-      out.push_back(y);
-      if (y == stop_token || static_cast<int64_t>(out.size()) == n) return false;
-      step = Step::one(y, step.position + 1, step.start + 1, 1);
-      return true;
-    });
-    return out;
   }
 
  private:
@@ -1685,20 +1673,7 @@ class NativeGPT2 {
     return logits;
   }
 
-  // The K/V cache's checks (a ``B``-row cache of this model's shape); returns its slots a row.
-  int64_t check_cache(const torch::Tensor& k_all, const torch::Tensor& v_all, int64_t B) const {
-    const int64_t L = static_cast<int64_t>(blocks_.size());
-    SE_CHECK(k_all.dim() == 5 && v_all.dim() == 5 && k_all.sizes() == v_all.sizes() &&
-                 k_all.strides() == v_all.strides() && k_all.stride(4) == 1 &&
-                 (k_all.scalar_type() == torch::kFloat32 || k_all.scalar_type() == torch::kHalf) &&
-                 v_all.scalar_type() == k_all.scalar_type(),
-             "k_cache and v_cache must be float32 or float16 (L, B, H, S, D) with unit stride over D, and alike");
-    SE_CHECK(k_all.size(0) == L && k_all.size(1) == B && k_all.size(2) == n_head_ && k_all.size(4) == D_,
-             "the cache must be (", L, ", ", B, ", ", n_head_, ", S, ", D_, "), got ", k_all.sizes());
-    return k_all.size(3);
-  }
-
-  // Everything the threads of one pass share: set up by run or decode_steps, read by body.
+  // Everything the threads of one pass share: set up by run or step_region, read by body.
   struct Pass {
     int64_t B = 1, N = 1, M = 1, out_rows = 1;
     bool last_only = false;
@@ -1839,10 +1814,10 @@ class NativeGPT2 {
   aligned_vector<float> arena_f_;     // and its float32 ones
 };
 
-// Whether runs of one-token passes take one OpenMP region (NativeGPT2::step_region: plain steps,
-// lookup_steps at depth 0, and a draft chain's passes after its first) or a forward_ids call a
-// pass, as prompt lookup's steps do: the same tokens and cache entries either way. On by
-// default; the switch is for the tests and benches that compare the two.
+// Whether runs of passes take one OpenMP region (NativeGPT2::step_region: plain steps with or
+// without prompt lookup, lookup_steps, and a draft chain's passes after its first) or a
+// forward_ids call a pass: the same tokens and cache entries either way. On by default; the
+// switch is for the tests and benches that compare the two.
 std::atomic<bool> g_step_region{true};
 bool step_region() { return g_step_region.load(std::memory_order_relaxed); }
 bool set_step_region(bool on) {
@@ -2140,14 +2115,13 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
   SE_CHECK(root >= 0 && root < vocab, "root must be a token id in [0, ", vocab, "), got ", root);
   for (const int64_t t : history)
     SE_CHECK(t >= 0 && t < vocab, "history must hold token ids in [0, ", vocab, "), got ", t);
+  // A pass writes at most up to the slot and position of the call's last token: every one fits,
+  // or nothing is written.
+  const int64_t S = model.check_cache(k, v, 1);
+  SE_CHECK(start + n <= S, "the steps' slots [", start, ", ", start + n, ") exceed the cache's ", S);
+  SE_CHECK(start + n <= model.n_positions(), "the steps' positions [", start, ", ", start + n,
+           ") exceed the model's ", model.n_positions());
   const bool lookup = depth > 0;
-  if (!lookup && step_region()) {  // plain steps: one OpenMP region for all of them
-    double seconds = 0.0;
-    std::vector<int64_t> out =
-        model.decode_steps(k, v, start, root, n, choice_rule(temperature, top_k, top_p, seed), stop_token, seconds);
-    std::vector<int64_t> lengths(out.size(), 1);
-    return {std::move(out), seconds, std::move(lengths), 0, 0};
-  }
   std::vector<int64_t> seq;
   if (lookup) seq.reserve(history.size() + static_cast<size_t>(n) + 1);
   if (lookup) seq.assign(history.begin(), history.end());
@@ -2187,6 +2161,7 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
     return static_cast<int64_t>(out.size()) < n;
   };
   if (step_region()) {  // every pass in one region (NativeGPT2::step_region), walked as verify_tree walks a chain
+    // (plain steps, at depth 0, are passes over the root alone)
     const ChoiceRule rule = choice_rule(temperature, top_k, top_p, seed);
     std::vector<float> z;
     propose();
@@ -2453,11 +2428,11 @@ void register_native_forward(py::module& m) {
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token"),
         py::call_guard<py::gil_scoped_release>());
   m.def("set_step_region", &set_step_region,
-        "run plain steps (plain_steps, lookup_steps at depth 0) and a draft chain's passes after its first in one "
-        "OpenMP region (True, the default) or a forward pass a call (False; the same tokens and cache entries, for "
+        "run plain steps (plain_steps, lookup_steps) and a draft chain's passes after its first in one OpenMP "
+        "region (True, the default) or a forward pass a call (False; the same tokens and cache entries, for "
         "comparisons); returns the setting",
         py::arg("on"));
-  m.def("step_region", &step_region, "whether runs of one-token passes take one OpenMP region (set_step_region)");
+  m.def("step_region", &step_region, "whether runs of passes take one OpenMP region (set_step_region)");
   m.def("lookup_steps", &lookup_steps,
         "up to n decoding steps of cache row 0 in one call, as plain_steps, each pass also verifying the tokens "
         "prompt lookup finds after the context's last 3 (down to `min_order`) tokens, at most `depth`; entries left "

@@ -124,7 +124,7 @@ def head64(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p", "temperature"])
 def test_one_region_gives_the_bits_of_a_pass_a_call(checkpoints, head64, params):
-    """Plain steps in one OpenMP region (``NativeGPT2::decode_steps``, the default) against a
+    """Plain steps in one OpenMP region (``NativeGPT2::step_region``, the default) against a
     ``forward_ids`` call and a ``verify_tree`` choice a pass (``set_step_region(False)``, the path
     prompt lookup's passes take): the same tokens and bit-equal cache entries, with 1 and 2
     threads (over 2, odd96's 3 heads take the shared attention path and its barrier, head64's
