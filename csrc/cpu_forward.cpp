@@ -611,7 +611,8 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
         // The group's pair of panels widened together (pack_linear's interleaved pairs). Two named
         // vectors, not load_panels' array: with that, GCC kept every accumulator on the stack
         // (the AVX2 build's one-row passes over the demo oracle's weights in bf16 took 1.5x
-        // float16's).
+        // float16's). Nor vload_bf16_pair, whose shift and mask this repeats: through its two
+        // references the AVX2 build's FMAs with a stack operand went from 94 to 163 (objdump).
         static_assert(NP == 2, "bfloat16 panel groups of several runs are pairs");
         const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws + off[g]));
         const vec w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
