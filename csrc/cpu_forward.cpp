@@ -1458,8 +1458,7 @@ class NativeGPT2 {
     ps.att = att.data();
     ps.ff = ff.data();
     ps.lp = logits.data();
-    const int mode = group_runs_mode();
-    FormChooser::Pick pick{mode != kRunsOff, FormChooser::kExploit};
+    FormChooser::Pick pick{};
     bool choose = false;
     std::chrono::steady_clock::time_point t_pass;
     // A step refused (thread 0 sets it; reported after the region): 1 its rows, 2 its slots, 3 its
@@ -1485,9 +1484,8 @@ class NativeGPT2 {
       ps.N = ps.out_rows = cur.n;
       ps.M = cur.m;
       for (int64_t i = 0; i < cur.n; ++i) embed(cur.tokens[i], cur.position + i, x.data() + i * C);
-      choose = mode == kRunsAuto && cur.n <= 3;
-      if (choose) pick = chooser_.pick(cur.n);
-      ps.runs = choose ? pick.on : mode != kRunsOff;
+      pick = pick_form(cur.n, choose);
+      ps.runs = pick.on;
       t_pass = std::chrono::steady_clock::now();
       return true;
     };
@@ -1657,11 +1655,8 @@ class NativeGPT2 {
     ps.lp = logits.data_ptr<float>();
     const int nt = forward_threads();
     SpinBarrier barrier;
-    // The register-block form of this pass's products: pinned by set_group_runs, or chosen by
-    // this model for passes over one to three rows (FormChooser, which this pass's clock informs).
-    const int mode = group_runs_mode();
-    const bool choose = mode == kRunsAuto && R <= 3;
-    const FormChooser::Pick pick = choose ? chooser_.pick(R) : FormChooser::Pick{mode != kRunsOff, FormChooser::kExploit};
+    bool choose = false;
+    const FormChooser::Pick pick = pick_form(R, choose);
     ps.runs = pick.on;
     const auto t_start = std::chrono::steady_clock::now();
 
@@ -1672,6 +1667,15 @@ class NativeGPT2 {
     }
     if (choose) chooser_.record(R, pick, std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
     return logits;
+  }
+
+  // The register-block form of a pass over ``rows`` rows' products: pinned by set_group_runs, or
+  // chosen by this model for passes over one to three rows (FormChooser; ``timed``: the pass's
+  // clock is to inform it, chooser_.record).
+  FormChooser::Pick pick_form(int64_t rows, bool& timed) {
+    const int mode = group_runs_mode();
+    timed = mode == kRunsAuto && rows <= 3;
+    return timed ? chooser_.pick(rows) : FormChooser::Pick{mode != kRunsOff, FormChooser::kExploit};
   }
 
   // Everything the threads of one pass share: set up by run or step_region, read by body.
