@@ -619,9 +619,6 @@ bool children_by_ratio(const std::vector<float>& z, int64_t V, float lse, uint32
   return std::isfinite(norm);
 }
 
-// The draft's children of each row at T > 0: the k best tokens by the perturbed score
-// s = log p' + g (the top-p cut is not applied: drafts are guesses), and log r = s - logsumexp(s)
-// over the tokens that matter (those within kGumbelMax + 30 of the best; the rest weigh < e^-30).
 namespace {
 
 // One row of perturbed_children: its kk best children (ids to ip, log r to lp; -inf past the
@@ -683,6 +680,9 @@ void perturbed_row(const float* row, int64_t V, const Rule& rule, uint32_t key, 
 
 }  // namespace
 
+// The draft's children of each row at T > 0: the k best tokens by the perturbed score
+// s = log p' + g (the top-p cut is not applied: drafts are guesses), and log r = s - logsumexp(s)
+// over the tokens that matter (those within kGumbelMax + 30 of the best; the rest weigh < e^-30).
 std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint64_t seed,
                                               const std::vector<int64_t>& positions, double temperature,
                                               int64_t top_k, int64_t k) {
