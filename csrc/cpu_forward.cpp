@@ -177,7 +177,8 @@ struct PackedLinear {
 // demo draft's K = 80 products have 2.5 KB groups: without it its LM head alone (1.3 MB) took
 // 0.60-0.84x the time over one row (6 pairs of processes; one pair 1.2x) and the draft's one-row
 // pass 0.93x (median of 10 pairs in one process). Its K = 320 product and all of the demo
-// oracle's (K >= 256) keep it.
+// oracle's (K >= 256) keep it. (The AVX2 form over several groups at once, block_groups, has
+// since dropped this prefetch altogether and keeps only its second one, into L2: see there.)
 int64_t weight_ahead(const PackedLinear& L) { return L.group_bytes() >= kPrefetchBytes ? kPrefetchBytes : 0; }
 
 // Cuts panels [0, panels) into groups of at most kPanels within each of ``split`` threads' even
@@ -423,12 +424,11 @@ constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
 // A second software prefetch, into L2, in each weight stream of a block of two or three rows
 // over several groups (block_groups), where the weights outgrow the L2 caches: at the same k of
 // the group NG groups on, i.e. the stream the thread's next run will read (the layout places it
-// right after this run). The first prefetch, 4 KB ahead into L1, keeps a one-row pass fed; with
-// two or three rows the loop issues its loads at half the pace per weight byte and the weights
-// came in slower than the FMAs used them (the demo oracle's two-row pass cost 1.12-1.24x its
-// one-row pass). It applies where a run spans at most ``l2_ahead`` bytes (0: never; 64 KB by
-// default, so the lookahead of every stream stays a fraction of L2) and the product has the L1
-// prefetch, i.e. groups at least as long as its distance (weight_ahead; over the demo draft's
+// right after this run). With two or three rows the loop issues its loads at half the pace per
+// weight byte and the weights came in slower than the FMAs used them (the demo oracle's two-row
+// pass cost 1.12-1.24x its one-row pass). It applies where a run spans at most ``l2_ahead`` bytes
+// (0: never; 64 KB by default, so the lookahead of every stream stays a fraction of L2) and the
+// product has a prefetch distance, i.e. groups at least as long as it (weight_ahead; over the demo draft's
 // K = 80 groups, prefetching the next run made two-row passes 1.03-1.11x slower). Demo oracle at 200
 // cached tokens, AVX2 Zen 3, on and off alternating per pass in one process: two-row passes
 // 0.91-0.95x (4 runs), three-row 0.98-0.99x; GPT-2-small shape, one run of 12 passes each, two
@@ -585,6 +585,13 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
   // the accumulators in registers (an array of NG pointers advanced in the loop, or accumulators
   // whose address the epilogue takes, went to the stack on every k).
   const W* ws = w[0];
+  // No prefetch into L1, unlike ``block``: the hardware prefetchers follow the NG streams, and
+  // the prefetch instructions (one a stream a k, two to a cache line of a float16 pair) cost more
+  // than they brought. Demo oracle at 200 cached tokens, AVX2 Zen 3, with and without alternating
+  // in one process (both forms pinned on): passes of 1, 2, 3 rows 0.82-0.87x, 0.75-0.85x and
+  // 0.76-0.92x the time; with the form chosen per pass (FormChooser) 0.90x, 0.86x and 0.96x;
+  // the demo draft and a GPT-2-small shape (weights from DRAM) 0.98-1.02x. The single-group
+  // form keeps it: without, its passes took 1.12-1.19x the time.
   // The L2 prefetch reads the same k of the group NG groups on: the next run's stream, which the
   // thread's layout places right after this run (see l2_ahead).
   const int64_t run_bytes = NG * L.group_bytes();
@@ -602,11 +609,7 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
     vec xv[NR];
     for (int r = 0; r < NR; ++r) xv[r] = vset1(xr[r][k]);
     for (int g = 0; g < NG; ++g) {
-      if (ahead) {
-        for (int64_t o = 0; o < NP * kLanes * static_cast<int64_t>(sizeof(W)); o += 64)
-          prefetch_weights<_MM_HINT_T0>(reinterpret_cast<const char*>(ws + off[g]) + ahead + o, nta);
-        if (far && (k & 1) == 0) prefetch_weights<_MM_HINT_T1>(reinterpret_cast<const char*>(ws + off[g]) + far, nta);
-      }
+      if (far && (k & 1) == 0) prefetch_weights<_MM_HINT_T1>(reinterpret_cast<const char*>(ws + off[g]) + far, nta);
       if constexpr (std::is_same_v<W, bf16_t>) {
         // The group's pair of panels widened together (pack_linear's interleaved pairs). Two named
         // vectors, not load_panels' array: with that, GCC kept every accumulator on the stack
