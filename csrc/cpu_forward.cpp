@@ -588,10 +588,13 @@ inline void block_groups(const W* const* w, int64_t ahead, const PackedLinear& L
   // No prefetch into L1, unlike ``block``: the hardware prefetchers follow the NG streams, and
   // the prefetch instructions (one a stream a k, two to a cache line of a float16 pair) cost more
   // than they brought. Demo oracle at 200 cached tokens, AVX2 Zen 3, with and without alternating
-  // in one process (both forms pinned on): passes of 1, 2, 3 rows 0.82-0.87x, 0.75-0.85x and
+  // in one process (both forms pinned on): passes of 1, 2, 3 rows 0.82-0.91x, 0.75-0.85x and
   // 0.76-0.92x the time; with the form chosen per pass (FormChooser) 0.90x, 0.86x and 0.96x;
   // the demo draft and a GPT-2-small shape (weights from DRAM) 0.98-1.02x. The single-group
-  // form keeps it: without, its passes took 1.12-1.19x the time.
+  // form keeps it: without, its passes took 1.12-1.21x the time. End to end (demo pair, 16
+  // prompts, greedy, the prefetch switched per prompt in one process) plain decoding gained
+  // 1.17-1.21x in tokens/s, while chains of 1 and 3 and ``staged`` kept theirs (0.99-1.03x):
+  // within speculative rounds the passes did not gain what they gained alone.
   // The L2 prefetch reads the same k of the group NG groups on: the next run's stream, which the
   // thread's layout places right after this run (see l2_ahead).
   const int64_t run_bytes = NG * L.group_bytes();
