@@ -2110,15 +2110,21 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
 // position, so the tokens and the cache entries are those of plain steps (tested bit for bit):
 // the kept entries of a pass are a prefix of its chain, in place, and the rejected ones are
 // overwritten by the next pass before any pass can see them. ``history`` is every token before
-// ``root`` (the lookup's context). At most ``n`` tokens, stopping after ``stop_token`` (-1:
-// none); the kept entries stay pending, one per token returned. Returns (tokens, forward
+// ``root`` (the lookup's context). At most ``n`` tokens and ``max_passes`` passes (-1: no limit
+// but n), stopping after ``stop_token`` (-1: none); the kept entries stay pending, one per token
+// returned. A caller with a budget of passes (the planner's block of rounds) asks for up to
+// depth + 1 tokens a pass and spends it in one call: asked for tokens alone, a block whose
+// guesses were kept ended early and its rest took a call of its own, and the rest of that one
+// another (demo pair, greedy, AVX2 Zen 3: a 16-round block in calls of 16, 7, 4, 2 and 1
+// tokens, each return to Python ~150 us and its next pass slower). Returns (tokens, forward
 // seconds, tokens emitted by each pass, tokens proposed, proposed tokens kept).
 std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t> lookup_steps(
     NativeGPT2& model, torch::Tensor k, torch::Tensor v, int64_t start, const std::vector<int64_t>& history, int64_t root,
     int64_t n, double temperature, int64_t top_k, double top_p, uint64_t seed, int64_t stop_token, int64_t depth,
-    int64_t min_order) {
+    int64_t min_order, int64_t max_passes) {
   constexpr int kOrder = 3;  // ContextLookup.ORDER
   SE_CHECK(n >= 1, "n must be >= 1, got ", n);
+  SE_CHECK(max_passes == -1 || max_passes >= 1, "max_passes must be -1 (no limit) or >= 1, got ", max_passes);
   SE_CHECK(start >= 0, "start must be >= 0, got ", start);
   SE_CHECK(depth >= 0 && depth <= 8, "depth must be in [0, 8], got ", depth);
   SE_CHECK(min_order >= 1 && min_order <= kOrder, "min_order must be in [1, ", kOrder, "], got ", min_order);
@@ -2169,7 +2175,8 @@ std::tuple<std::vector<int64_t>, double, std::vector<int64_t>, int64_t, int64_t>
       seq.back() = emitted.back();
     if (stopped) return false;
     slot += static_cast<int64_t>(emitted.size());
-    return static_cast<int64_t>(out.size()) < n;
+    return static_cast<int64_t>(out.size()) < n &&
+           (max_passes < 0 || static_cast<int64_t>(lengths.size()) < max_passes);
   };
   if (step_region()) {  // every pass in one region (NativeGPT2::step_region), walked as verify_tree walks a chain
     // (plain steps, at depth 0, are passes over the root alone)
@@ -2206,7 +2213,7 @@ std::tuple<std::vector<int64_t>, double> plain_steps(NativeGPT2& model, torch::T
                                                      int64_t root, int64_t n, double temperature, int64_t top_k,
                                                      double top_p, uint64_t seed, int64_t stop_token) {
   auto [tokens, seconds, lengths, proposed, kept] =
-      lookup_steps(model, k, v, start, {}, root, n, temperature, top_k, top_p, seed, stop_token, 0, 3);
+      lookup_steps(model, k, v, start, {}, root, n, temperature, top_k, top_p, seed, stop_token, 0, 3, -1);
   return {std::move(tokens), seconds};
 }
 
@@ -2446,11 +2453,12 @@ void register_native_forward(py::module& m) {
   m.def("step_region", &step_region, "whether runs of passes take one OpenMP region (set_step_region)");
   m.def("lookup_steps", &lookup_steps,
         "up to n decoding steps of cache row 0 in one call, as plain_steps, each pass also verifying the tokens "
-        "prompt lookup finds after the context's last 3 (down to `min_order`) tokens, at most `depth`; entries left "
-        "pending; (tokens, forward seconds, tokens of each pass, proposed, kept)",
+        "prompt lookup finds after the context's last 3 (down to `min_order`) tokens, at most `depth`; at most "
+        "`max_passes` passes (-1: no limit but n); entries left pending; (tokens, forward seconds, tokens of each "
+        "pass, proposed, kept)",
         py::arg("model"), py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("history"), py::arg("root"),
         py::arg("n"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("seed"), py::arg("stop_token"),
-        py::arg("depth"), py::arg("min_order"), py::call_guard<py::gil_scoped_release>());
+        py::arg("depth"), py::arg("min_order"), py::arg("max_passes") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("chain_rounds", &chain_rounds,
         "a block of rounds of a fixed draft chain in one call, each round's kept entries committed in place before "
         "the next, or with lookup_first prompt lookup's chain where the context's last 3 tokens were seen before; "

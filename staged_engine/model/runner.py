@@ -137,13 +137,15 @@ class ModelRunner:
         return None if got is None else got[0]
 
     def lookup_steps(self, root: int, n: int, rule: tuple, history: list[int], depth: int, min_order: int,
-                     stop_token: int | None = None) -> tuple[list[int], list[int], int, int] | None:
+                     stop_token: int | None = None, max_passes: int | None = None
+                     ) -> tuple[list[int], list[int], int, int] | None:
         """``steps`` with prompt lookup riding along (``_cpu.lookup_steps``): each pass also verifies
         up to ``depth`` tokens that followed the latest earlier occurrence of the context's last
         3 (down to ``min_order``) tokens in ``history`` (every token before ``root``) and what
-        the call emits; depth 0 is plain steps. The same tokens and cache entries as ``steps``,
-        committed. Returns (tokens, tokens emitted by each pass, tokens proposed, proposed tokens
-        kept), or None off the native path."""
+        the call emits; depth 0 is plain steps. At most ``n`` tokens (the cache must have room
+        for n) in at most ``max_passes`` passes (None: no limit but n). The same tokens and cache
+        entries as ``steps``, committed. Returns (tokens, tokens emitted by each pass, tokens
+        proposed, proposed tokens kept), or None off the native path."""
         native = self._native  # set only where the extension is built
         if native is None or self.cache.pending:
             return None
@@ -153,7 +155,7 @@ class ModelRunner:
         try:
             tokens, seconds, lengths, proposed, kept = _cpu.lookup_steps(
                 native, self.cache.k, self.cache.v, start, history, root, n, t, top_k, top_p, seed or 0,
-                -1 if stop_token is None else stop_token, depth, min_order)
+                -1 if stop_token is None else stop_token, depth, min_order, -1 if max_passes is None else max_passes)
         except BaseException:
             self.cache.discard()
             raise

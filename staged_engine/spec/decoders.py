@@ -241,8 +241,11 @@ class SpeculativeDecoder(Decoder):
             planner.observe_steps(len(out), clock.seconds())
             return out
         steps = planner.steps_arm()
-        if steps is not None:  # the rest of a block of prompt lookup's passes, in one native call
-            out, passes = self.lookup_steps(min(remaining, planner.block_rounds()), steps.depth, steps.order or 1)
+        if steps is not None:  # the rest of a block of prompt lookup's passes, in one native call:
+            # its rounds are passes, each emitting its kept guesses and one token of its own
+            rounds = planner.block_rounds()
+            out, passes = self.lookup_steps(min(remaining, rounds * (steps.depth + 1)), steps.depth, steps.order or 1,
+                                            rounds)
             self.drafter.skip(out)
             planner.observe_lookup_steps(len(out), passes, clock.seconds())
             return out
@@ -290,15 +293,15 @@ class SpeculativeDecoder(Decoder):
     def extra_stats(self) -> dict:
         return {} if self.planner is None else {"planner": self.planner.summary()}
 
-    def lookup_steps(self, n: int, depth: int, order: int) -> tuple[list[int], int]:
-        """Up to ``n`` oracle passes of plain steps, each also verifying up to ``depth`` tokens
-        prompt lookup finds after the context's last 3 (down to ``order``) tokens, in one native
-        call (``ModelRunner.lookup_steps``; plain steps off the native path): the tokens, which are
-        plain decoding's, and the passes they took."""
+    def lookup_steps(self, n: int, depth: int, order: int, passes: int | None = None) -> tuple[list[int], int]:
+        """Up to ``n`` tokens in at most ``passes`` oracle passes (None: n) of plain steps, each
+        also verifying up to ``depth`` tokens prompt lookup finds after the context's last 3 (down
+        to ``order``) tokens, in one native call (``ModelRunner.lookup_steps``; plain steps off the
+        native path): the tokens, which are plain decoding's, and the passes they took."""
         got = self.oracle.lookup_steps(self.root, n, self.sampling.rule, self.drafter.history[:-1], depth, order,
-                                       self.stop_token) if n > 0 else None
+                                       self.stop_token, passes) if n > 0 else None
         if got is None:
-            out = self.plain_steps(n)
+            out = self.plain_steps(n if passes is None else min(n, passes))
             return out, len(out)
         out, lengths, _, _ = got
         self.root = out[-1]

@@ -173,6 +173,29 @@ def test_lookup_steps_return_at_most_n_tokens_when_more_guesses_would_be_kept(pa
     assert lengths == [3] and proposed == 2 and kept == 2
 
 
+def test_lookup_steps_stop_after_max_passes(pair):
+    """The raw native call with a budget of passes: a history that makes the first pass propose
+    8 of the oracle's own next tokens, n = 20. With max_passes = 1 exactly that pass's 9 tokens
+    come back (its kept guesses and its own); with 2, the next pass's too; with no limit (-1,
+    the default) passes run until the 20 tokens. Every token is plain decoding's."""
+    model = load_model(pair[0])
+    sampling = SamplingConfig.make(SamplingParams(), model.config.vocab_size)
+    with torch.inference_mode():
+        free, _ = _reference(model, sampling, PROMPT, 24)
+        got = {}
+        for limit in (1, 2, -1):
+            runner = ModelRunner(model, TorchBackend(native=True))
+            runner.reset()
+            runner.prefill(PROMPT[:-1])
+            got[limit] = _cpu.lookup_steps(
+                runner.native, runner.cache.k, runner.cache.v, len(PROMPT) - 1, PROMPT[-3:] + free[:8] + PROMPT[-3:-1],
+                PROMPT[-1], 20, 0.0, 0, 1.0, 0, -1, 8, 3, max_passes=limit)
+    (one, _, lengths1, _, _), (two, _, lengths2, _, _), (all_, _, lengths, _, _) = got[1], got[2], got[-1]
+    assert lengths1 == [9] and one == free[:9]
+    assert len(lengths2) == 2 and lengths2[0] == 9 and two == free[:len(two)]
+    assert len(lengths) > 2 and all_ == free[:20]
+
+
 def test_lookup_steps_refuse_bad_arguments(pair):
     model = load_model(pair[0])
     runner = ModelRunner(model, TorchBackend(native=True))
@@ -187,7 +210,8 @@ def test_lookup_steps_refuse_bad_arguments(pair):
                             ({"root": -1}, "root must be a token id"),
                             ({"root": model.config.vocab_size}, "root must be a token id"),
                             ({"history": [1, model.config.vocab_size]}, "history must hold"),
-                            ({"start": runner.max_len - 1}, "exceed the cache"), ({"top_p": 0.0}, "top_p must be in")]:
+                            ({"start": runner.max_len - 1}, "exceed the cache"), ({"top_p": 0.0}, "top_p must be in"),
+                            ({"max_passes": 0}, "max_passes must be"), ({"max_passes": -2}, "max_passes must be")]:
         with pytest.raises(ValueError, match=message):
             _cpu.lookup_steps(**{**args, **change})
     with pytest.raises(ValueError, match="KV cache overflow"):  # the runner checks the room first

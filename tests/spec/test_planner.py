@@ -14,8 +14,8 @@ import torch
 
 from staged_engine import Engine
 from staged_engine.spec.cost import NODES, CostProfile, load_or_measure, profile_key, profile_path
-from staged_engine.spec.planner import (LOOKUP_DEPTH, LOOKUP_STEPS, Acceptance, PlannerMemory, RoundPlanner, Stints,
-                                        arms_for, load_memory, save_memory)
+from staged_engine.spec.planner import (GENERATION_WARM, LOOKUP_DEPTH, LOOKUP_STEPS, Acceptance, PlannerMemory,
+                                        RoundPlanner, Stints, arms_for, load_memory, save_memory)
 from staged_engine.spec.tree import Tree
 
 VOCAB = 997
@@ -906,10 +906,11 @@ def test_plain_steps_with_lookup_are_an_arm_of_greedy_staged_only(pair):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.8, top_p=0.95, seed=4), dict(temperature=1.0, top_k=50, seed=9)])
-def test_blocks_of_lookup_steps_equal_plain(engine, kw):
+def test_blocks_of_lookup_steps_equal_plain(engine, kw, monkeypatch):
     """The arm of plain steps with prompt lookup riding along (``_cpu.lookup_steps``), a block of
     it, then a drafting arm whose draft must first catch up on all of it: the output is plain
-    decoding's, the block ran its 48 passes, and each pass's tokens are one round's."""
+    decoding's, the block ran its 48 passes in one native call (its kept guesses do not end it
+    early and leave the rest to calls of their own), and each pass's tokens are one round's."""
     from staged_engine.config import SHAPE_LIMITS
     from staged_engine.model.runner import ModelRunner
     from staged_engine.sampling import SamplingConfig, SamplingParams
@@ -925,8 +926,18 @@ def test_blocks_of_lookup_steps_equal_plain(engine, kw):
     arms = tuple(arms)
     costs = (engine.cost_profile("oracle"), engine.cost_profile("draft"))
     sampling = SamplingConfig.make(SamplingParams(**kw), VOCAB)
+    calls = []
+    real = ModelRunner.lookup_steps
+
+    def counted(self, root, n, rule, history, depth, *args, **kwargs):
+        if depth > 0:
+            calls.append(n)
+        return real(self, root, n, rule, history, depth, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "lookup_steps", counted)
     kept = 0
     for prompt in [[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]] + _prompts(2, 7):
+        calls.clear()
         want = engine.generate(prompt, max_new_tokens=100, strategy="plain", **kw).token_ids
         memory = PlannerMemory(arms)
         memory.stints.arm, memory.stints.plan = steps, [2] * 50  # a block, then fixed_1
@@ -943,6 +954,9 @@ def test_blocks_of_lookup_steps_equal_plain(engine, kw):
         assert got == want
         assert memory.stints.rounds[steps] == 48 and memory.stints.rounds[2] > 0
         assert dec.planner.lookup_step_rounds == 48
+        # The generation's first call (off the clock, GENERATION_WARM passes), then the rest of the
+        # block in one: up to 4 tokens a pass, all that is left of the 100.
+        assert len(calls) == 2 and calls[0] == 4 * GENERATION_WARM and calls[1] <= 100 - GENERATION_WARM, calls
         kept += sum(dec.accepted_lengths[:48]) - 48  # the block's passes: each kept guess made one longer
     if not kw:
         assert kept > 0  # guesses were kept
