@@ -909,8 +909,9 @@ def test_plain_steps_with_lookup_are_an_arm_of_greedy_staged_only(pair):
 def test_blocks_of_lookup_steps_equal_plain(engine, kw, monkeypatch):
     """The arm of plain steps with prompt lookup riding along (``_cpu.lookup_steps``), a block of
     it, then a drafting arm whose draft must first catch up on all of it: the output is plain
-    decoding's, the block ran its 48 passes in one native call (its kept guesses do not end it
-    early and leave the rest to calls of their own), and each pass's tokens are one round's."""
+    decoding's, the block ran its 48 passes, all after the generation's first call in one native
+    call (its kept guesses do not end it early and leave the rest to calls of their own), and
+    each pass's tokens are one round's."""
     from staged_engine.config import SHAPE_LIMITS
     from staged_engine.model.runner import ModelRunner
     from staged_engine.sampling import SamplingConfig, SamplingParams
