@@ -415,7 +415,10 @@ inline void block_narrow(const uint16_t* w, int64_t /*ahead*/, const PackedLinea
 // ran 1.1-1.4x faster on two threads and, over the oracle's 16.8 MB on one thread, 1.44-1.49x
 // and 1.12-1.14x, except in minutes when other guests had cut this one's L3 read rate (one
 // group a block then took 1.05-1.19 ms instead of 0.69-0.74): 0.83-0.93x. So neither form is
-// the default: each model chooses (FormChooser, below).
+// the default: each model chooses (FormChooser, below). Two rows over three or four groups at
+// once (12 or 16 accumulators) were slower: the demo oracle's two-row passes took 358 / 405 / 464
+// us with 2 / 3 / 4 groups, and 422 / 477 / 508 in a second process, the draft's level at 3 and
+// 1.2x at 4 (AVX2 Zen 3, the forms alternating in one process, the same bits).
 // (The AVX-512 build has 4 zmm chains a row, or 8 ymm ones in block_narrow, and keeps its blocks.)
 template <int NR>
 constexpr int kGroupsAtOnce = NR == 1 ? 4 : NR <= 3 ? 2 : 1;
