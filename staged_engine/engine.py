@@ -185,8 +185,11 @@ class Engine:
             # oracle's plain output on 24 held-out prompts lay below 4096 for 99.8% of greedy
             # tokens, 96.3% at T 0.8 / top-p 0.95 and 97.9% at T 1 / top-k 50, and the draft's
             # proposal was the oracle's token 76.4%, 59.9% and 60.0% of the time (76.4%, 61.0% and
-            # 60.5% uncut; below 2048, 73.7%, 58.1% and 58.2%). Not a default: it pays only where
-            # drafting plays, and no bench has weighed it end to end.
+            # 60.5% uncut; below 2048, 73.7%, 58.1% and 58.2%). Cut at 4096 and uncut engines
+            # alternating in one process (those prompts, 128 tokens, 3 runs each, AVX2 Zen 3),
+            # fixed chains of 1-3 ran 0.99-1.06x faster cut, while staged, which there drafts
+            # little, moved 1.11x greedy, 0.99x and 0.97x sampling: the planner's noise. Not a
+            # default until a bench weighs it where drafting plays.
             draft_head_rows = check_int("draft_head_rows", draft_head_rows, 1)
             if draft is None:
                 raise ValueError("draft_head_rows needs a draft model")

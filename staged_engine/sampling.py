@@ -247,11 +247,12 @@ class SamplingConfig:
         """What a draft scores its children by at T > 0: its processed distribution over its
         ``DRAFT_CANDIDATES`` likeliest tokens (fewer under top-k), with no top-p cut, at the
         request's own temperature. A draft temperature of T times f proposes other tokens under
-        the same noise; for the demo pair it would not be accepted more often: over the oracle's
-        plain sampled output on 12 held-out prompts (1,536 positions each, the draft
-        teacher-forced), the draft's perturbed argmax was the oracle's token 60.6% of the time at
-        f 0.9 and 59.8% at f 1.0 (T 0.8, top-p 0.95), 59.2% and 59.0% (T 1, top-k 50), and less
-        at every other f from 0.5 to 1.5 (53% and 49% at 0.5, 52% and 53% at 1.5)."""
+        the same noise, and for the demo pair no f is worth a knob: over the oracle's plain
+        sampled output on 12 held-out prompts (1,536 positions a rule, the draft teacher-forced),
+        the draft's perturbed argmax was the oracle's token 60.6% of the time at f 0.9 against
+        59.8% at f 1 (T 0.8, top-p 0.95) and 59.2% against 59.0% (T 1, top-k 50), about half a
+        percent more tokens a chain-of-one round, and less often at every other f from 0.5 to 1.5
+        (53% and 49% at 0.5, 52% and 53% at 1.5)."""
         p = self.params
         return replace(p, top_k=DRAFT_CANDIDATES if p.top_k == 0 else min(p.top_k, DRAFT_CANDIDATES), top_p=1.0)
 

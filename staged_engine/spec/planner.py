@@ -394,12 +394,12 @@ class Stints:
         self.rounds[self.arm] += rounds
         if self.warming:  # a call off the clock: a cold draft's round (``_next_block``) or a
             # generation's first (``start_generation``). Its rounds count toward the block, so a
-            # block a generation starts in is read from fewer rounds (a first look of 4 from
-            # one). Played on top of the block instead, every block read from all of its rounds,
-            # cold starts measured level: the first 12 held-out prompts from no memory, staged
-            # against plain alternating, 32 runs a mode with both forms alternating in one
-            # process, staged/plain 0.943 against 0.942 (T 0.8 / top-p 0.95), 0.920 against 0.916
-            # (T 1 / top-k 50), 0.983 against 0.995 greedy (means; AVX2 Zen 3).
+            # block a generation starts in is read from fewer rounds (a traced first look of 4
+            # rounds from one). Played on top of the block instead, every block read from all of
+            # its rounds, cold starts measured level: the first 12 held-out prompts from no
+            # memory, staged against plain alternating, 32 runs a mode with both forms alternating
+            # in one process, staged/plain 0.943 against 0.942 (T 0.8 / top-p 0.95), 0.920 against
+            # 0.916 (T 1 / top-k 50), 0.983 against 0.995 greedy (means; AVX2 Zen 3).
             self.warming = False
             self.warm_rounds += rounds
         else:
