@@ -886,6 +886,73 @@ int set_narrow_rows(int n) {
 // The threads a forward pass (and the microbenchmarks of its kernels) runs on: torch's, at most 64.
 int forward_threads() { return std::max(1, std::min<int>(at::get_num_threads(), 64)); }
 
+// Where a forward pass's time goes (bench/phases.py): with ``set_phase_timing(true)``, each thread
+// adds the wall seconds between the marks of its part of a pass (``body``) to its row of
+// g_phase_seconds, one column a phase, and thread 0 counts the passes. A product's phase is its
+// thread's share of it; ``kPhaseWait`` is the time a thread spins at the barriers inside the pass
+// for its partners (what the slower thread's work costs the others); the choice of a token, the
+// fork and join of a call's threads and the barriers around ``next`` lie outside ``body`` and
+// its marks. Off (the default), a pass reads the switch once and each mark is a branch on a
+// local; on, a mark reads the clock (~20 ns, ~40 marks a pass over the demo oracle's 8 layers).
+// The timing never changes a bit of the pass.
+enum Phase : int { kPhaseNorms, kPhaseQKV, kPhaseAttention, kPhaseProj, kPhaseFC, kPhaseMProj, kPhaseHead,
+                   kPhaseWait, kPhases };
+const char* const kPhaseNames[kPhases] = {"norms", "qkv", "attention", "proj", "fc", "mproj", "head", "wait"};
+constexpr int kPhaseThreads = 64;  // forward_threads()' most
+std::atomic<bool> g_phase_timing{false};
+double g_phase_seconds[kPhaseThreads][kPhases];  // row tid: written by thread tid only, inside passes
+std::atomic<int64_t> g_phase_passes{0};
+std::atomic<int> g_phase_threads{0};  // the most threads a timed pass ran on
+
+// Turns the timing on or off; either way the totals start again from zero. Returns the setting.
+bool set_phase_timing(bool on) {
+  g_phase_timing.store(false, std::memory_order_relaxed);
+  std::memset(g_phase_seconds, 0, sizeof(g_phase_seconds));
+  g_phase_passes.store(0, std::memory_order_relaxed);
+  g_phase_threads.store(0, std::memory_order_relaxed);
+  g_phase_timing.store(on, std::memory_order_relaxed);
+  return on;
+}
+
+// (passes timed, the phases' names, seconds[thread][phase] over them) since the last call or
+// set_phase_timing, and starts the totals again. Call it between passes, not during one.
+std::tuple<int64_t, std::vector<std::string>, std::vector<std::vector<double>>> phase_seconds() {
+  const int nt = g_phase_threads.load(std::memory_order_relaxed);
+  std::vector<std::vector<double>> seconds(nt, std::vector<double>(kPhases));
+  for (int t = 0; t < nt; ++t)
+    for (int i = 0; i < kPhases; ++i) seconds[t][i] = g_phase_seconds[t][i];
+  const int64_t passes = g_phase_passes.load(std::memory_order_relaxed);
+  std::memset(g_phase_seconds, 0, sizeof(g_phase_seconds));
+  g_phase_passes.store(0, std::memory_order_relaxed);
+  g_phase_threads.store(0, std::memory_order_relaxed);
+  return {passes, std::vector<std::string>(kPhaseNames, kPhaseNames + kPhases), seconds};
+}
+
+// One thread's marks within a pass: ``mark(phase)`` adds the time since the previous mark (or
+// the start) to ``phase``.
+class PhaseClock {
+ public:
+  PhaseClock(int tid, int nth) : tid_(tid), on_(g_phase_timing.load(std::memory_order_relaxed) && tid < kPhaseThreads) {
+    if (!on_) return;
+    if (tid == 0) {
+      g_phase_passes.fetch_add(1, std::memory_order_relaxed);
+      if (g_phase_threads.load(std::memory_order_relaxed) < nth) g_phase_threads.store(std::min(nth, kPhaseThreads));
+    }
+    last_ = std::chrono::steady_clock::now();
+  }
+  void mark(int phase) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_phase_seconds[tid_][phase] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  int tid_;
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+};
+
 // Whether weights of this many bytes outgrow the L2 caches of the threads that stream them (then
 // every pass reads them from L3 or DRAM, and the decoder prefetches ahead in each stream).
 bool outgrows_l2(int64_t bytes) {
@@ -1772,41 +1839,58 @@ class NativeGPT2 {
     auto attend = [&](int64_t l, int64_t b, int64_t hh) {
       if (ps.half_kv) attend_in(ps.kp16, ps.vp16, l, b, hh); else attend_in(ps.kp, ps.vp, l, b, hh);
     };
+    PhaseClock clock(tid, nth);  // bench/phases.py's marks (off: a branch each)
     for (int64_t l = 0; l < L; ++l) {
       const Block& blk = blocks_[l];
       for (int64_t r = 0; r < R; ++r)
         layer_norm_row(&x[r * C], blk.ln1w.data(), blk.ln1b.data(), eps_, C, &h[r * C]);
+      clock.mark(kPhaseNorms);
       if (own) {
         for (int64_t hh = tid; hh < H; hh += nth) {
           for (int64_t part = 0; part < 3; ++part) {  // q, k, v columns of head hh
             const auto [g0, g1] = head_groups(hh, part);
             linear_groups(blk.qkv, h, C, qkv, C3, R, Epilogue::kStore, g0, g1, runs);
           }
+          clock.mark(kPhaseQKV);
           for (int64_t b = 0; b < B; ++b) attend(l, b, hh);
+          clock.mark(kPhaseAttention);
         }
       } else {
         linear_part(blk.qkv, h, C, qkv, C3, R, Epilogue::kStore, tid, nth, runs);
+        clock.mark(kPhaseQKV);
         barrier.wait(nth);
+        clock.mark(kPhaseWait);
         for (int64_t w = tid; w < B * H; w += nth) attend(l, w / H, w % H);
+        clock.mark(kPhaseAttention);
       }
       barrier.wait(nth);
+      clock.mark(kPhaseWait);
       linear_part(blk.proj, att, C, x, C, R, Epilogue::kResidual, tid, nth, runs);
+      clock.mark(kPhaseProj);
       barrier.wait(nth);
+      clock.mark(kPhaseWait);
       for (int64_t r = 0; r < R; ++r)
         layer_norm_row(&x[r * C], blk.ln2w.data(), blk.ln2b.data(), eps_, C, &h[r * C]);
+      clock.mark(kPhaseNorms);
       linear_part(blk.fc, h, C, ff, F, R, act_, tid, nth, runs);
+      clock.mark(kPhaseFC);
       barrier.wait(nth);
+      clock.mark(kPhaseWait);
       linear_part(blk.mproj, ff, F, x, C, R, Epilogue::kResidual, tid, nth, runs);
+      clock.mark(kPhaseMProj);
       barrier.wait(nth);
+      clock.mark(kPhaseWait);
     }
     for (int64_t o = 0; o < ps.out_rows; ++o) {
       const int64_t r = ps.last_only ? o * N + N - 1 : o;
       layer_norm_row(&x[r * C], lnfw_.data(), lnfb_.data(), eps_, C, &h[o * C]);
     }
+    clock.mark(kPhaseNorms);
     linear_part(head_, h, C, ps.lp, V_, ps.out_rows, Epilogue::kStore, tid, nth, runs);
     if (head_rows_ < V_)  // the columns past the packed head: never written by linear_part
       for (int64_t o = tid; o < ps.out_rows; o += nth)
         std::fill(ps.lp + o * V_ + head_rows_, ps.lp + (o + 1) * V_, -std::numeric_limits<float>::infinity());
+    clock.mark(kPhaseHead);
   }
 
  public:
@@ -2430,6 +2514,12 @@ void register_native_forward(py::module& m) {
         "whether blocks of one to three rows take several panel groups at once (AVX2 builds; the same bits as one "
         "group a block): 'auto' (each model chooses from its passes' clock), 'on' or 'off'; always 'off' in "
         "AVX-512 builds");
+  m.def("set_phase_timing", &set_phase_timing,
+        "time the phases of every native forward pass (bench/phases.py) or stop; the totals start again from zero",
+        py::arg("on"));
+  m.def("phase_seconds", &phase_seconds,
+        "(passes, phase names, seconds[thread][phase]) timed since the last call or set_phase_timing; starts "
+        "the totals again");
   m.def("set_group_runs", &set_group_runs,
         "set group_runs to 'auto', 'on' or 'off' (pinned, for comparisons of the two forms); returns the mode in "
         "force", py::arg("mode"));

@@ -7,6 +7,7 @@ import math
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -1173,3 +1174,42 @@ def test_a_cut_lm_head_scores_its_rows_alone(checkpoints, rows):
     with pytest.raises(ValueError, match="head_rows must be 0"):
         _cpu.NativeGPT2(wte, wpe, blocks, lnf_w, lnf_b, model.config.n_head, model.config.layer_norm_epsilon,
                         model.act_kind, vocab + 1)
+
+
+def test_phase_timing_counts_each_pass_and_changes_no_bit(checkpoints):
+    """With ``_cpu.set_phase_timing(True)`` each native pass adds its threads' seconds per phase
+    (bench/phases.py): one pass counted per pass (a call of 8 plain steps counts 8), every
+    phase of a layer timed on thread 0, no thread's phases longer than the call's wall time
+    measured around it, the totals starting again after each read; the logits bit for bit those
+    of an untimed pass; with it off nothing is counted."""
+    model = load_model(checkpoints["odd96"])
+    runner = ModelRunner(model, TorchBackend(native=True))
+    runner.reset()
+    assert runner.native is not None
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, model.config.vocab_size, (24,), generator=g).tolist()
+    new = torch.randint(0, model.config.vocab_size, (3,), generator=g).tolist()
+    runner.prefill(prompt)
+    try:
+        with torch.inference_mode():
+            _cpu.set_phase_timing(False)
+            off = runner.forward_nodes(new, [24, 25, 26], None)
+            runner.discard()
+            passes, names, seconds = _cpu.phase_seconds()
+            assert passes == 0 and not any(v for row in seconds for v in row)
+            assert _cpu.set_phase_timing(True) is True
+            t0 = time.perf_counter()
+            on = runner.forward_nodes(new, [24, 25, 26], None)
+            wall = time.perf_counter() - t0
+            runner.discard()
+            passes, names, seconds = _cpu.phase_seconds()
+            assert torch.equal(on, off)
+            assert passes == 1 and names == ["norms", "qkv", "attention", "proj", "fc", "mproj", "head", "wait"]
+            assert seconds and all(len(row) == len(names) for row in seconds)
+            assert 0 < max(sum(row) for row in seconds) <= wall
+            assert all(seconds[0][names.index(p)] > 0 for p in names[:-1]), dict(zip(names, seconds[0]))
+            assert _cpu.phase_seconds()[0] == 0  # read: the totals start again
+            runner.steps(new[0], 8, (0.0, 0, 1.0, 0))
+            assert _cpu.phase_seconds()[0] == 8
+    finally:
+        _cpu.set_phase_timing(False)
