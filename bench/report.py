@@ -361,6 +361,8 @@ def render() -> str:
                          "--out idle_gap_avx2.json`)"),
                         ("widening_avx2.json", "What a row costs over float16 weights, AVX2 (`staged-engine bench "
                          "widening --out widening_avx2.json`)"),
+                        ("phases_avx2.json", "Where a forward pass goes, AVX2 (`staged-engine bench phases --out "
+                         "phases_avx2.json`)"),
                         ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
@@ -370,6 +372,8 @@ def render() -> str:
             if name == "idle_gap_avx2.json":
                 parts += _plot("idle_gap_avx2.png", "AVX2: a forward pass after idle time, against the same pass "
                                                     "back to back")
+            if name == "phases_avx2.json":
+                parts += _plot("phases_avx2.png", "AVX2: a forward pass by phase, against cached tokens and rows")
     if _OLD_CODE:
         parts.append("Not re-run on the current code (measured before a change to the code they time, so not "
                      "shown): " + ", ".join(f"`bench/results/{n}`" for n in _OLD_CODE) + ".\n")

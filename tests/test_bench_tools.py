@@ -143,6 +143,36 @@ def test_the_idle_gap_table_reports_each_gap_against_the_first():
     assert "| oracle | 600 us (1.00x) | 750 us (1.25x) |" in text and "Test CPU" in text
 
 
+@pytest.mark.parametrize("argv,needle", [(["--repeats", "4"], "--repeats must be >= 5"),
+                                         (["--contexts", "0"], "--contexts must be >= 1"),
+                                         (["--rows", "0"], r"--rows must be in \[1, 64\]"),
+                                         (["--rows", "65"], r"--rows must be in \[1, 64\]"),
+                                         (["--contexts", "1020", "--rows", "8"], "must fit demo oracle's 1024"),
+                                         (["--models", "/nonexistent"], "no config.json")])
+def test_the_phases_bench_refuses_bad_arguments_by_name(argv, needle):
+    phases = _bench_module("phases")
+    with pytest.raises((ValueError, FileNotFoundError), match=needle):
+        phases.main(argv)
+
+
+def test_the_phases_bench_averages_the_fastest_repeats_so_the_phases_add_up():
+    """The means are over the repeats with the fastest 80% of the wall times (a hiccup left out),
+    the same repeats for the wall time and every phase, so the phases and `outside` sum to the
+    wall time; the table gives each phase's microseconds and share."""
+    phases = _bench_module("phases")
+    walls = [1.0, 2.0, 3.0, 4.0, 100.0]  # the 100 is the hiccup
+    per = [[0.5, 0.25], [1.0, 0.5], [1.5, 1.0], [2.0, 1.5], [50.0, 49.0]]
+    wall, mean = phases.trimmed(walls, per)
+    assert wall == pytest.approx(2.5) and mean == pytest.approx([1.25, 0.8125])
+    row = {"wall_us": 400.0, "phase_us": {"qkv": 100.0, "attention": 250.0, "outside": 50.0},
+           "share": {"qkv": 0.25, "attention": 0.625, "outside": 0.125}}
+    result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx2"]}, "threads": 2, "repeats": 10,
+              "models": {"oracle": {"params": 8.7e6, "phases": ["qkv", "attention", "outside"],
+                                    "contexts": {"256": {"2": row}}}}}
+    text = phases.table(result)
+    assert "| 256 | 2 | 400 | 100 (25%) | 250 (62%) | 50 (12%) |" in text and "Test CPU" in text
+
+
 @pytest.mark.parametrize("argv,needle", [(["--repeats", "1"], "--repeats must be >= 2"),
                                          (["--contexts", "0"], "--contexts must be >= 1"),
                                          (["--contexts", "64", "1024"], "--contexts must be at most 1023"),

@@ -23,6 +23,7 @@ BENCHES = {
     "kv-dtype": "kv_dtype.py",  # the oracle's K/V cache in float16 against float32, short and long contexts
     "weight-formats": "weight_formats.py",  # a bf16 checkpoint packed bfloat16 against float32, and float16
     "idle-gap": "idle_gap.py",  # a forward pass after idle time, against the same pass back to back
+    "phases": "phases.py",  # where a forward pass goes: norms, products, attention, waits, by rows and context
     "widening": "widening.py",  # what a row costs over float16 weights: F16C's widening against the FMAs
     "plots": "plots.py",  # PNG plots of bench/results/*.json (needs matplotlib)
     "report": "report.py",  # README results section from bench/results/
