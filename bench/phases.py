@@ -127,7 +127,6 @@ def plot(result: dict, path: str) -> None:
     models = list(result["models"].items())
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.4), squeeze=False)
     for ax, (name, r) in zip(axes[0], models):
-        labels, bottoms = [], []
         cols = [(ctx, n, row) for ctx, rows in r["contexts"].items() for n, row in rows.items()]
         bottoms = [0.0] * len(cols)
         for phase in r["phases"]:
