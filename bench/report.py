@@ -363,6 +363,9 @@ def render() -> str:
                          "widening --out widening_avx2.json`)"),
                         ("phases_avx2.json", "Where a forward pass goes, AVX2 (`staged-engine bench phases --out "
                          "phases_avx2.json`)"),
+                        ("phases_gpt2small_avx2.json", "Where a forward pass goes, the GPT-2-small shape, AVX2 "
+                         "(`staged-engine bench phases --models ~/.cache/staged-engine/gpt2-small-shaped-random-fp16 "
+                         "--out phases_gpt2small_avx2.json`)"),
                         ("serve_load.json", "Serving under load (`staged-engine bench serve-load`)"),
                         ("ngram.json", "N-gram stage (`staged-engine bench ngram`)"),
                         ("kernels_cpu.json", "Kernel microbenchmarks (`staged-engine bench kernels`)")):
@@ -374,6 +377,8 @@ def render() -> str:
                                                     "back to back")
             if name == "phases_avx2.json":
                 parts += _plot("phases_avx2.png", "AVX2: a forward pass by phase, against cached tokens and rows")
+            if name == "phases_gpt2small_avx2.json":
+                parts += _plot("phases_gpt2small_avx2.png", "AVX2: a pass of the GPT-2-small shape by phase")
     if _OLD_CODE:
         parts.append("Not re-run on the current code (measured before a change to the code they time, so not "
                      "shown): " + ", ".join(f"`bench/results/{n}`" for n in _OLD_CODE) + ".\n")
