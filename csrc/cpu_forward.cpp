@@ -1151,7 +1151,10 @@ void head_values_group(HeadQuery* qs, int64_t common, const T* vbase, int64_t ks
 
 // Vectors of a head's columns one value pass holds per query: two accumulators each (even and odd
 // list entries), so that with a pair of queries they fill half the registers (8 of AVX2's 16,
-// 16 of AVX-512's 32) and leave room for the V rows and the broadcasts.
+// 16 of AVX-512's 32) and leave room for the V rows and the broadcasts. Three in AVX2 (12
+// accumulators, a 64-wide head in 3 chunks instead of 4) spilled and measured level: the demo
+// oracle's attention grew 1.45-1.55x from one row to two against 1.45-1.64x (the phases bench,
+// 3 process pairs, AVX2 Zen 3, the same bits).
 constexpr int kValueVecs = kLanes == 16 ? 4 : 2;
 
 // Values of QN queries, the head's columns in chunks of at most 4 (one query) or kValueVecs (a
