@@ -906,12 +906,17 @@ double g_phase_seconds[kPhaseThreads][kPhases];  // row tid: written by thread t
 std::atomic<int64_t> g_phase_passes{0};
 std::atomic<int> g_phase_threads{0};  // the most threads a timed pass ran on
 
-// Turns the timing on or off; either way the totals start again from zero. Returns the setting.
-bool set_phase_timing(bool on) {
-  g_phase_timing.store(false, std::memory_order_relaxed);
+// The totals start again from zero.
+void clear_phase_totals() {
   std::memset(g_phase_seconds, 0, sizeof(g_phase_seconds));
   g_phase_passes.store(0, std::memory_order_relaxed);
   g_phase_threads.store(0, std::memory_order_relaxed);
+}
+
+// Turns the timing on or off; either way the totals start again from zero. Returns the setting.
+bool set_phase_timing(bool on) {
+  g_phase_timing.store(false, std::memory_order_relaxed);
+  clear_phase_totals();
   g_phase_timing.store(on, std::memory_order_relaxed);
   return on;
 }
@@ -924,9 +929,7 @@ std::tuple<int64_t, std::vector<std::string>, std::vector<std::vector<double>>> 
   for (int t = 0; t < nt; ++t)
     for (int i = 0; i < kPhases; ++i) seconds[t][i] = g_phase_seconds[t][i];
   const int64_t passes = g_phase_passes.load(std::memory_order_relaxed);
-  std::memset(g_phase_seconds, 0, sizeof(g_phase_seconds));
-  g_phase_passes.store(0, std::memory_order_relaxed);
-  g_phase_threads.store(0, std::memory_order_relaxed);
+  clear_phase_totals();
   return {passes, std::vector<std::string>(kPhaseNames, kPhaseNames + kPhases), seconds};
 }
 
