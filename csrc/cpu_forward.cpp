@@ -1602,6 +1602,33 @@ class NativeGPT2 {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
 
+  // ``passes`` passes over the chain ``tokens`` (1-kStepRows of them) at slots and positions
+  // start.. of row 0 with ``start`` committed slots, back to back in one step region: what
+  // forward_ids(tokens, start.., k, v, start, n) computes, each pass writing the same pending
+  // entries. It is the regime of plain decoding's steps, the threads spinning at a barrier
+  // between passes and no call from Python in between, for the benches that time passes there
+  // (bench/phases.py --region; the demo oracle on an AVX2 Zen 3, both ways in one sitting:
+  // one-row passes 0.82-0.93x the wall time of a native call a pass from Python, two-row passes
+  // 0.89-1.02x). Returns each pass's seconds on thread 0, from the end of the pass before (the
+  // first: from the call, its fork included).
+  std::vector<double> region_passes(torch::Tensor k_all, torch::Tensor v_all, int64_t start,
+                                    const std::vector<int64_t>& tokens, int64_t passes) {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    SE_CHECK(n >= 1 && n <= kStepRows, "tokens must hold 1-", kStepRows, " tokens, got ", n);
+    SE_CHECK(passes >= 1 && passes <= 1000000, "passes must be in [1, 1000000], got ", passes);
+    SE_CHECK(start >= 0, "start must be >= 0, got ", start);
+    std::vector<double> seconds;
+    seconds.reserve(static_cast<size_t>(passes));
+    auto last = std::chrono::steady_clock::now();
+    step_region(k_all, v_all, Step::chain(tokens, start), n, [&](const float*, Step&) {
+      const auto now = std::chrono::steady_clock::now();
+      seconds.push_back(std::chrono::duration<double>(now - last).count());
+      last = now;
+      return static_cast<int64_t>(seconds.size()) < passes;  // the same step again, or stop
+    });
+    return seconds;
+  }
+
  private:
   // Whether each head's q, k and v columns are whole panel groups of c_attn (groups of kPanels
   // from panel 0, as the even shares of heads that divide by the threads cut them) and the heads
@@ -2484,7 +2511,13 @@ void register_native_forward(py::module& m) {
       .def("set_streaming", &NativeGPT2::set_streaming,
            "non-temporal prefetch of the weight streams (for weights that outgrow the last-level cache); "
            "never changes a bit", py::arg("on"))
-      .def_property_readonly("checkpoint_bytes", &NativeGPT2::checkpoint_bytes);
+      .def_property_readonly("checkpoint_bytes", &NativeGPT2::checkpoint_bytes)
+      .def("region_passes", &NativeGPT2::region_passes,
+           "`passes` passes over the chain `tokens` (1-9) at slots and positions start.. of row 0, back to back in "
+           "one step region (as plain decoding's steps run), each writing the same pending entries forward_ids "
+           "would; returns each pass's seconds (the first with the threads' fork)",
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("start"), py::arg("tokens"), py::arg("passes"),
+           py::call_guard<py::gil_scoped_release>());
   py::class_<FormChooser>(m, "FormChooser",
                           "the rule a model chooses its group_runs form by, alone (for its tests): pick, then record")
       .def(py::init<>())

@@ -76,6 +76,13 @@ class ModelRunner:
         runner takes the tensor path."""
         return self._native
 
+    def packing(self, rows: int):
+        """The native packing a pass over ``rows`` rows of row 0 takes (``backend.packing_for``:
+        the float32 one from the model's ``wide_from`` rows on), or None on the tensor path."""
+        if self._native is None or rows > NATIVE_MAX_ROWS:
+            return None
+        return packing_for(rows, self._native, self._wide, self._wide_from)
+
     def reserve(self, n: int) -> int:
         """Reserve ``n`` pending slots of row 0 for passes run elsewhere (a native round writes
         them as ``forward_ids`` would); returns the row's committed length, their start."""
@@ -106,9 +113,9 @@ class ModelRunner:
         """``run`` on the native fast path for row 0 of a one-row cache: (N, V) or (1, V) logits, or
         None when it does not apply (then the caller takes the tensor path)."""
         n = len(tokens)
-        if self._native is None or n > NATIVE_MAX_ROWS:
+        native = self.packing(n)
+        if native is None:
             return None
-        native = packing_for(n, self._native, self._wide, self._wide_from)
         cache = self.cache
         t0 = time.perf_counter()
         _, starts, m = cache.append(n, tree_mask)

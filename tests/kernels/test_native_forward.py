@@ -1213,3 +1213,37 @@ def test_phase_timing_counts_each_pass_and_changes_no_bit(checkpoints):
             assert _cpu.phase_seconds()[0] == 8
     finally:
         _cpu.set_phase_timing(False)
+
+
+def test_region_passes_write_what_forward_ids_writes_and_refuse_bad_input(checkpoints):
+    """``NativeGPT2.region_passes`` (bench/phases.py --region) runs its passes back to back in one
+    step region: each writes the very K/V entries one ``forward_ids`` pass over the same chain
+    writes, bit for bit, and it returns one positive time a pass; each bad argument is refused
+    by name, a pass past the cache after the region."""
+    model = load_model(checkpoints["odd96"])
+    runner = ModelRunner(model, TorchBackend(native=True))
+    runner.reset()
+    native = runner.packing(3)
+    assert native is not None
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, model.config.vocab_size, (20,), generator=g).tolist()
+    new = torch.randint(0, model.config.vocab_size, (3,), generator=g).tolist()
+    runner.prefill(prompt)
+    k, v = runner.cache.k, runner.cache.v
+    with torch.inference_mode():
+        native.forward_ids(new, [20, 21, 22], k, v, 20, 3, None, False)
+        want_k, want_v = k[:, 0, :, 20:23].clone(), v[:, 0, :, 20:23].clone()
+        k[:, 0, :, 20:23] = 0.0
+        v[:, 0, :, 20:23] = 0.0
+        seconds = native.region_passes(k, v, 20, new, 5)
+        assert len(seconds) == 5 and all(s > 0 for s in seconds)
+        assert torch.equal(k[:, 0, :, 20:23], want_k) and torch.equal(v[:, 0, :, 20:23], want_v)
+        assert torch.equal(k[:, 0, :, :20], runner.cache.k[:, 0, :, :20])  # the committed entries untouched
+        for args, needle in [((20, [], 1), "tokens must hold 1-9 tokens, got 0"),
+                             ((20, [1] * 10, 1), "tokens must hold 1-9 tokens, got 10"),
+                             ((20, new, 0), r"passes must be in \[1, 1000000\], got 0"),
+                             ((-1, new, 1), "start must be >= 0, got -1"),
+                             ((runner.max_len - 1, new, 1), "exceed the cache"),
+                             ((20, [model.config.vocab_size], 1), "outside the vocabulary")]:
+            with pytest.raises(ValueError, match=needle):
+                native.region_passes(k, v, *args)
