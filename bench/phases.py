@@ -15,6 +15,14 @@ verification does) after C cached tokens, for each model, C in ``--contexts`` an
   another is time the pass spends), and its share of the wall time; what the marks do not
   cover (the call from Python, the threads' fork and join) is ``outside``.
 
+With ``--region`` each repeat runs 8 passes of a row count back to back in one native call
+(``NativeGPT2.region_passes``: one step region, the threads spinning between passes), as plain
+decoding's steps run, and reports their means; ``outside`` is then the call, the fork and join
+shared by 8 passes, and thread 0's turn between them. A plain step is such a pass, so this is
+the one-row figure a verified row is to be weighed against. On the demo oracle (AVX2 Zen 3,
+both ways in one sitting) one-row passes took 0.82-0.93x the time of one call a pass, and a
+second row added 35-51% to a pass back to back (its products 37-55%).
+
 Every figure is a mean over the repeats whose wall time is among the fastest 80% (a scheduler
 hiccup skews one pass by milliseconds), so the phases add up to the wall time; the first
 ``WARM`` repeats of each context are not timed.
@@ -22,6 +30,7 @@ hiccup skews one pass by milliseconds), so the phases add up to the wall time; t
 Writes bench/results/phases.json and bench/results/plots/phases.png.
 
     python bench/phases.py [--models DIR ...] [--contexts 64 256 512] [--rows 1 2 3 4 8] [--repeats 100]
+    python bench/phases.py --region --out phases_region.json
 """
 from __future__ import annotations
 
@@ -41,6 +50,9 @@ KEEP = 0.8  # the fastest share of the repeats the means are taken over
 # first passes of each). With two, the first context's passes over 2-3 rows ran 1.2-1.3x the
 # time the same passes took after the others (AVX2 Zen 3, demo oracle, the order reversed).
 WARM = 10
+# Passes a repeat with --region: back to back in one native call (``NativeGPT2.region_passes``).
+REGION_PASSES = 8
+REGION_ROWS = 9  # the most rows a step region's pass takes (NativeGPT2::kStepRows)
 
 
 def trimmed(walls: list[float], phases: list[list[float]]) -> tuple[float, list[float]]:
@@ -75,16 +87,25 @@ def measure(path: str, args, bar) -> dict:
             for rep in range(WARM + args.repeats):
                 for n in (args.rows if rep % 2 == 0 else list(reversed(args.rows))):
                     _cpu.phase_seconds()  # the totals start from zero
-                    t0 = time.perf_counter()
-                    runner.forward_nodes(ids[ctx:ctx + n], list(range(start, start + n)), None)
-                    wall = time.perf_counter() - t0
+                    if args.region:  # REGION_PASSES back to back in one native call
+                        runner.reserve(n)
+                        t0 = time.perf_counter()
+                        runner.packing(n).region_passes(runner.cache.k, runner.cache.v, start, ids[ctx:ctx + n],
+                                                        REGION_PASSES)
+                        wall = (time.perf_counter() - t0) / REGION_PASSES
+                        expected = REGION_PASSES
+                    else:
+                        t0 = time.perf_counter()
+                        runner.forward_nodes(ids[ctx:ctx + n], list(range(start, start + n)), None)
+                        wall = time.perf_counter() - t0
+                        expected = 1
                     runner.discard()
                     passes, names, seconds = _cpu.phase_seconds()
-                    if passes != 1 or not seconds:
-                        raise RuntimeError(f"expected one timed pass over {n} rows, the native clock saw {passes}")
+                    if passes != expected or not seconds:
+                        raise RuntimeError(f"expected {expected} timed passes over {n} rows, the native clock saw {passes}")
                     if rep >= WARM:
                         walls[n].append(wall)
-                        phases[n].append([sum(t[p] for t in seconds) / len(seconds) for p in range(len(names))])
+                        phases[n].append([sum(t[p] for t in seconds) / len(seconds) / passes for p in range(len(names))])
                 bar.update(1)
             rows = {}
             for n in args.rows:
@@ -101,8 +122,11 @@ def measure(path: str, args, bar) -> dict:
 def table(result: dict) -> str:
     m = result["machine"]
     ext = ", ".join(v for v in m.get("vector_extensions", []) if v in ("avx2", "avx512f", "avx512_bf16"))
-    lines = [f"Where a forward pass goes: a pass over N new tokens (a chain) after C cached tokens, one native "
-             f"call, microseconds a pass and share of its wall time; each phase the mean over the threads, their "
+    region = result.get("regime", "").startswith("region")
+    how = (f"{REGION_PASSES} passes back to back in one native call (as plain decoding's steps run)" if region
+           else "one native call")
+    lines = [f"Where a forward pass goes: a pass over N new tokens (a chain) after C cached tokens, {how}, "
+             f"microseconds a pass and share of its wall time; each phase the mean over the threads, their "
              f"waits for each other apart, `outside` the call and the threads' fork and join ({m['cpu']}, {ext}; "
              f"{result['threads']} threads; means over the fastest {KEEP:.0%} of {result['repeats']} repeats, the "
              "row counts alternating within each):", ""]
@@ -153,6 +177,9 @@ def main(argv=None) -> int:
                     help=f"new tokens a pass (default {' '.join(map(str, ROWS))})")
     ap.add_argument("--repeats", type=int, default=100, help="passes of every context and row count (default 100)")
     ap.add_argument("--threads", type=int, default=2, help="threads of the forward pass (default 2)")
+    ap.add_argument("--region", action="store_true",
+                    help=f"{REGION_PASSES} passes a repeat back to back in one native call, as plain decoding's steps "
+                         "run (rows at most 9), instead of one call a pass")
     ap.add_argument("--out", default="phases.json", help="file name under bench/results/")
     args = ap.parse_args(argv)
     args.contexts, args.rows = list(dict.fromkeys(args.contexts)), list(dict.fromkeys(args.rows))
@@ -162,6 +189,8 @@ def main(argv=None) -> int:
         raise ValueError(f"--contexts must be >= 1 cached tokens, got {args.contexts}")
     if any(not 1 <= n <= 64 for n in args.rows):
         raise ValueError(f"--rows must be in [1, 64], got {args.rows}")
+    if args.region and max(args.rows) > REGION_ROWS:
+        raise ValueError(f"--rows must be at most {REGION_ROWS} with --region (a step region's passes), got {args.rows}")
     from staged_engine.demo_pair import DEMO_DIR
     from staged_engine.model.backend import _cpu
     from staged_engine.model.config import GPT2Config
@@ -178,7 +207,9 @@ def main(argv=None) -> int:
                            "(pip install --no-build-isolation -e .)")
     torch.set_num_threads(args.threads)
     result = {"benchmark": "forward pass phases", "machine": machine(), "threads": args.threads,
-              "repeats": args.repeats, "rows": args.rows, "models": {}}
+              "repeats": args.repeats, "rows": args.rows,
+              "regime": f"region: {REGION_PASSES} passes back to back a call" if args.region else "one call a pass",
+              "models": {}}
     _cpu.set_phase_timing(True)
     try:
         with progress_bar((WARM + args.repeats) * len(args.contexts) * len(models), "phases", "repeats") as bar:

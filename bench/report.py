@@ -363,6 +363,9 @@ def render() -> str:
                          "widening --out widening_avx2.json`)"),
                         ("phases_avx2.json", "Where a forward pass goes, AVX2 (`staged-engine bench phases --out "
                          "phases_avx2.json`)"),
+                        ("phases_region_avx2.json", "Where a forward pass goes back to back in one native call, as "
+                         "plain decoding's steps run, AVX2 (`staged-engine bench phases --region --rows 1 2 3 4 8 --out "
+                         "phases_region_avx2.json`)"),
                         ("phases_gpt2small_avx2.json", "Where a forward pass goes, the GPT-2-small shape, AVX2 "
                          "(`staged-engine bench phases --models ~/.cache/staged-engine/gpt2-small-shaped-random-fp16 "
                          "--out phases_gpt2small_avx2.json`)"),
@@ -377,6 +380,8 @@ def render() -> str:
                                                     "back to back")
             if name == "phases_avx2.json":
                 parts += _plot("phases_avx2.png", "AVX2: a forward pass by phase, against cached tokens and rows")
+            if name == "phases_region_avx2.json":
+                parts += _plot("phases_region_avx2.png", "AVX2: a pass by phase, back to back in one native call")
             if name == "phases_gpt2small_avx2.json":
                 parts += _plot("phases_gpt2small_avx2.png", "AVX2: a pass of the GPT-2-small shape by phase")
     if _OLD_CODE:

@@ -148,7 +148,8 @@ def test_the_idle_gap_table_reports_each_gap_against_the_first():
                                          (["--rows", "0"], r"--rows must be in \[1, 64\]"),
                                          (["--rows", "65"], r"--rows must be in \[1, 64\]"),
                                          (["--contexts", "1020", "--rows", "8"], "must fit demo oracle's 1024"),
-                                         (["--models", "/nonexistent"], "no config.json")])
+                                         (["--models", "/nonexistent"], "no config.json"),
+                                         (["--region", "--rows", "1", "10"], "--rows must be at most 9 with --region")])
 def test_the_phases_bench_refuses_bad_arguments_by_name(argv, needle):
     phases = _bench_module("phases")
     with pytest.raises((ValueError, FileNotFoundError), match=needle):
@@ -556,3 +557,34 @@ def test_a_bench_refusing_its_arguments_says_so_in_one_line_with_exit_code_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "weight_formats.py: error: --blocks must be >= 2, got 1"
     assert "Traceback" not in proc.stderr
+
+
+def test_the_phases_bench_times_passes_in_calls_and_back_to_back(checkpoints):
+    """Both regimes of bench/phases.py measure: a pass a call, and with ``--region`` 8 passes back
+    to back in one native call, each repeat's phases divided over its passes (so a pass's phases
+    stay within its wall time in both) and every row count and context reported."""
+    import types
+
+    phases = _bench_module("phases")
+    from staged_engine.model.backend import _cpu
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    rows = {}
+    _cpu.set_phase_timing(True)
+    try:
+        for region in (False, True):
+            args = types.SimpleNamespace(contexts=[8, 16], rows=[1, 3], repeats=5, region=region)
+            out = phases.measure(checkpoints["odd96"], args, Bar())
+            rows[region] = out["contexts"]
+    finally:
+        _cpu.set_phase_timing(False)
+    for region, contexts in rows.items():
+        assert list(contexts) == ["8", "16"] and all(list(r) == ["1", "3"] for r in contexts.values())
+        for r in contexts.values():
+            for row in r.values():
+                inside = sum(v for k, v in row["phase_us"].items() if k != "outside")
+                assert 0 < inside <= row["wall_us"] * 1.05, (region, row)
+                assert row["phase_us"]["qkv"] > 0 and row["phase_us"]["attention"] > 0
