@@ -20,8 +20,10 @@ With ``--region`` each repeat runs 8 passes of a row count back to back in one n
 decoding's steps run, and reports their means; ``outside`` is then the call, the fork and join
 shared by 8 passes, and thread 0's turn between them. A plain step is such a pass, so this is
 the one-row figure a verified row is to be weighed against. On the demo oracle (AVX2 Zen 3,
-both ways in one sitting) one-row passes took 0.82-0.93x the time of one call a pass, and a
-second row added 35-51% to a pass back to back (its products 37-55%).
+both ways in one sitting) one-row passes back to back took 0.75-0.81x the time of one call a
+pass, and a second row added 31-40% to them (their products 28-42%), where in calls it added
+9-22% (the products 1-7%) to a slower pass; back to back the figures also held still: two runs
+25 minutes apart within 3% at each context, one call a pass 9-14% apart.
 
 Every figure is a mean over the repeats whose wall time is among the fastest 80% (a scheduler
 hiccup skews one pass by milliseconds), so the phases add up to the wall time; the first

@@ -1608,8 +1608,8 @@ class NativeGPT2 {
   // entries. It is the regime of plain decoding's steps, the threads spinning at a barrier
   // between passes and no call from Python in between, for the benches that time passes there
   // (bench/phases.py --region; the demo oracle on an AVX2 Zen 3, both ways in one sitting:
-  // one-row passes 0.82-0.93x the wall time of a native call a pass from Python, two-row passes
-  // 0.89-1.02x). Returns each pass's seconds on thread 0, from the end of the pass before (the
+  // one-row passes 0.75-0.81x the wall time of a native call a pass from Python, two-row passes
+  // 0.87-1.03x). Returns each pass's seconds on thread 0, from the end of the pass before (the
   // first: from the call, its fork included).
   std::vector<double> region_passes(torch::Tensor k_all, torch::Tensor v_all, int64_t start,
                                     const std::vector<int64_t>& tokens, int64_t passes) {
