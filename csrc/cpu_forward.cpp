@@ -2000,13 +2000,18 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> verify_chain(NativeGPT2& o
 // bins of width 0.1); another pass runs after token i only while A(i) > go[i - 1], and the
 // chain then keeps its tokens while A(i) > keep[i - 1] (the planner's prices of a pass and of
 // a node, divided out beforehand).
+//
+// A fixed chain's log r is for a caller's planner alone: with ``with_logr`` false (chain_rounds'
+// fixed blocks), the draft's choices skip it (best_child_token: the same tokens, without the
+// normaliser over the whole row's noise) and the log r list comes back empty. A planned chain
+// computes it whatever ``with_logr`` says: its rule reads it.
 std::tuple<std::vector<int64_t>, std::vector<double>, std::vector<int64_t>, std::vector<int64_t>, int64_t, double,
            double>
 chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_start, const std::vector<int64_t>& unseen,
             int64_t d_pos0, NativeGPT2& oracle, torch::Tensor ok, torch::Tensor ov, int64_t o_start,
             int64_t root_position, int64_t depth, double temperature, int64_t top_k, double top_p, uint64_t seed,
             double d_temperature, int64_t d_top_k, uint64_t d_seed, const std::vector<double>& calibration,
-            const std::vector<double>& go, const std::vector<double>& keep) {
+            const std::vector<double>& go, const std::vector<double>& keep, bool with_logr) {
   SE_CHECK(!unseen.empty(), "unseen must hold at least the root");
   SE_CHECK(depth >= 1 && depth <= 63, "depth must be in [1, 63], got ", depth);
   const bool planned = !calibration.empty();
@@ -2034,13 +2039,15 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
   DraftScratch scratch;
   const int64_t vocab = draft.vocab_size();
   // The draft's choice after its pass at draft position ``pos``: whether another pass follows.
+  const bool want_logr = planned || with_logr;
   const auto take = [&](const float* row, int64_t pos) {
     int64_t token = 0;
     float lr = 0.f;
-    best_child(row, vocab, pos + 1 + offset, choice, scratch, token, lr);
+    if (want_logr) best_child(row, vocab, pos + 1 + offset, choice, scratch, token, lr);
+    else best_child_token(row, vocab, pos + 1 + offset, choice, scratch, token, lr);
     if (lr == -std::numeric_limits<float>::infinity()) return false;
     chain.push_back(token);
-    logr.push_back(lr);
+    if (want_logr) logr.push_back(lr);
     if (planned) {
       const int bin = std::min(9, std::max(0, static_cast<int>(std::exp(static_cast<double>(lr)) * 10)));
       value.push_back((value.empty() ? 1.0 : value.back()) * calibration[bin]);
@@ -2184,7 +2191,7 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
     } else if (left >= 2) {
       auto [drafted, logr, p, e, dp, ds, os] =
           chain_round(draft, dk, dv, d_at, unseen, d_at, oracle, ok, ov, o_at, root_at, take, temperature, top_k, top_p,
-                      seed, d_temperature, d_top_k, d_seed, {}, {}, {});
+                      seed, d_temperature, d_top_k, d_seed, {}, {}, {}, /*with_logr=*/false);
       path = std::move(p);
       emitted = std::move(e);
       passes = dp;
@@ -2614,5 +2621,6 @@ void register_native_forward(py::module& m) {
         py::arg("root_position"), py::arg("depth"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seed"), py::arg("draft_temperature"), py::arg("draft_top_k"), py::arg("draft_seed"),
         py::arg("calibration") = std::vector<double>(), py::arg("go") = std::vector<double>(),
-        py::arg("keep") = std::vector<double>(), py::call_guard<py::gil_scoped_release>());
+        py::arg("keep") = std::vector<double>(), py::arg("with_logr") = true,
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -723,6 +723,16 @@ void best_child(const float* row, int64_t V, int64_t position, const DraftChoice
                 &logr, s.z, s.sc, s.cand);
 }
 
+void best_child_token(const float* row, int64_t V, int64_t position, const DraftChoice& choice, DraftScratch& s,
+                      int64_t& token, float& logr) {
+  if (choice.temperature == 0.f) {
+    top_row(row, V, 1, &token, &logr);
+    return;
+  }
+  token = choose_row(row, V, noise_key(choice.seed, position), Rule{choice.temperature, choice.top_k, 1.0}, s.z);
+  logr = std::isfinite(s.z[static_cast<size_t>(token)]) ? 0.f : kNegInf;
+}
+
 namespace {
 // A cache entry's bits, whatever its float type: the moves copy them as they are.
 template <typename T>

@@ -367,3 +367,32 @@ def test_a_planned_chain_needs_its_whole_rule(pair):
         _cpu.chain_round(**{**args, "go": [0.1]})
     with pytest.raises(ValueError, match="go and keep thresholds"):
         _cpu.chain_round(**{**args, "keep": [0.1]})
+
+
+@pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p"])
+def test_a_fixed_chain_without_log_r_drafts_the_same_chain(pair, params):
+    """``chain_round(with_logr=False)`` (chain_rounds' fixed blocks) chooses each draft token
+    without its log r (``best_child_token``): over 12 prompts the same chain, path, emitted tokens
+    and draft passes as with it, and an empty log r list; a planned chain reads log r, so it
+    computes and returns it either way."""
+    oracle, draft = (load_model(d) for d in pair)
+    g = torch.Generator().manual_seed(9)
+    d_t, d_k, d_seed = (0.0, 0, 0) if params.temperature == 0 else (params.temperature, params.top_k or 0, params.seed)
+    rule = (params.temperature, params.top_k or 0, params.top_p, params.seed or 0, d_t, d_k, d_seed)
+    with torch.inference_mode():
+        for i in range(12):
+            prompt = torch.randint(0, oracle.config.vocab_size, (5 + i,), generator=g).tolist()
+            got = {}
+            for with_logr, planned in ((True, False), (False, False), (False, True)):
+                dec = _make(SpeculativeDecoder, oracle, draft, params, 4)
+                dec.start(prompt)
+                d, o, unseen = dec.drafter.runner, dec.oracle, dec.drafter.unseen
+                d_start, o_start = d.reserve(len(unseen) + 3), o.reserve(5)
+                plan = ([0.9] * 10, [0.0] * 4, [0.0] * 4) if planned else ((), (), ())
+                got[(with_logr, planned)] = _cpu.chain_round(
+                    d.native, d.cache.k, d.cache.v, d_start, unseen, d_start, o.native, o.cache.k, o.cache.v, o_start,
+                    o.length, 4, *rule[:4], *rule[4:], *plan, with_logr=with_logr)
+            full, lean, planned = got[(True, False)], got[(False, False)], got[(False, True)]
+            assert lean[0] == full[0] and lean[2:5] == full[2:5], i  # chain, path, emitted, passes
+            assert lean[1] == [] and len(full[1]) == len(full[0])
+            assert len(planned[1]) == len(planned[0]) and planned[1] == full[1][:len(planned[1])]
