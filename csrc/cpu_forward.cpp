@@ -2615,7 +2615,8 @@ void register_native_forward(py::module& m) {
         py::arg("history") = std::vector<int64_t>(), py::call_guard<py::gil_scoped_release>());
   m.def("chain_round", &chain_round,
         "one round of a draft chain, fixed or planned: the draft's passes, the oracle's pass and the acceptance walk, "
-        "entries left pending; (chain, log r, path, emitted, draft passes, draft seconds, oracle seconds)",
+        "entries left pending; (chain, log r, path, emitted, draft passes, draft seconds, oracle seconds); with "
+        "with_logr false a fixed chain's log r is not computed (the same tokens) and comes back empty",
         py::arg("draft"), py::arg("draft_k"), py::arg("draft_v"), py::arg("draft_start"), py::arg("unseen"),
         py::arg("draft_position"), py::arg("oracle"), py::arg("oracle_k"), py::arg("oracle_v"), py::arg("oracle_start"),
         py::arg("root_position"), py::arg("depth"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
