@@ -1233,12 +1233,13 @@ def test_region_passes_write_what_forward_ids_writes_and_refuse_bad_input(checkp
     with torch.inference_mode():
         native.forward_ids(new, [20, 21, 22], k, v, 20, 3, None, False)
         want_k, want_v = k[:, 0, :, 20:23].clone(), v[:, 0, :, 20:23].clone()
+        committed_k, committed_v = k[:, 0, :, :20].clone(), v[:, 0, :, :20].clone()
         k[:, 0, :, 20:23] = 0.0
         v[:, 0, :, 20:23] = 0.0
         seconds = native.region_passes(k, v, 20, new, 5)
         assert len(seconds) == 5 and all(s > 0 for s in seconds)
         assert torch.equal(k[:, 0, :, 20:23], want_k) and torch.equal(v[:, 0, :, 20:23], want_v)
-        assert torch.equal(k[:, 0, :, :20], runner.cache.k[:, 0, :, :20])  # the committed entries untouched
+        assert torch.equal(k[:, 0, :, :20], committed_k) and torch.equal(v[:, 0, :, :20], committed_v)
         for args, needle in [((20, [], 1), "tokens must hold 1-9 tokens, got 0"),
                              ((20, [1] * 10, 1), "tokens must hold 1-9 tokens, got 10"),
                              ((20, new, 0), r"passes must be in \[1, 1000000\], got 0"),
