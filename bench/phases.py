@@ -13,7 +13,10 @@ verification does) after C cached tokens, for each model, C in ``--contexts`` an
 - the wall time of the call;
 - each phase's time: the mean over the threads of their seconds in it (a thread waiting for
   another is time the pass spends), and its share of the wall time; what the marks do not
-  cover (the call from Python, the threads' fork and join) is ``outside``.
+  cover (the call from Python, the threads' fork and join) is ``outside``;
+- each thread's busy time (its phases but its waits), thread 0 first: the threads split every
+  product evenly, so a thread busy longer than the other is one its core ran slower, and the
+  other waits that long at the barriers (the JSON keeps each thread's phases, ``thread_us``).
 
 With ``--region`` each repeat runs 8 passes of a row count back to back in one native call
 (``NativeGPT2.region_passes``: one step region, the threads spinning between passes), as plain
@@ -57,12 +60,24 @@ REGION_PASSES = 8
 REGION_ROWS = 9  # the most rows a step region's pass takes (NativeGPT2::kStepRows)
 
 
+def kept(walls: list[float]) -> list[int]:
+    """The repeats whose wall time is among the fastest ``KEEP`` of them (at least one)."""
+    return sorted(range(len(walls)), key=lambda i: walls[i])[:max(1, int(len(walls) * KEEP))]
+
+
 def trimmed(walls: list[float], phases: list[list[float]]) -> tuple[float, list[float]]:
-    """Means of the wall times and of each phase over the repeats whose wall time is among the
-    fastest ``KEEP`` of them (at least one)."""
-    order = sorted(range(len(walls)), key=lambda i: walls[i])[:max(1, int(len(walls) * KEEP))]
+    """Means of the wall times and of each phase over the repeats ``kept``."""
+    order = kept(walls)
     wall = sum(walls[i] for i in order) / len(order)
     return wall, [sum(phases[i][p] for i in order) / len(order) for p in range(len(phases[0]))]
+
+
+def by_thread(walls: list[float], threads: list[list[list[float]]], names: list[str]) -> list[dict]:
+    """Each thread's mean seconds a pass in each phase over the repeats ``kept`` (the same ones as
+    ``trimmed``), in microseconds: where one thread works longer than the other, the other waits."""
+    order = kept(walls)
+    return [{name: sum(threads[i][t][p] for i in order) / len(order) * 1e6 for p, name in enumerate(names)}
+            for t in range(len(threads[0]))]
 
 
 def measure(path: str, args, bar) -> dict:
@@ -86,6 +101,7 @@ def measure(path: str, args, bar) -> dict:
             start = runner.length
             walls: dict[int, list[float]] = {n: [] for n in args.rows}
             phases: dict[int, list[list[float]]] = {n: [] for n in args.rows}
+            threads: dict[int, list[list[list[float]]]] = {n: [] for n in args.rows}  # [repeat][thread][phase]
             for rep in range(WARM + args.repeats):
                 for n in (args.rows if rep % 2 == 0 else list(reversed(args.rows))):
                     _cpu.phase_seconds()  # the totals start from zero
@@ -108,14 +124,17 @@ def measure(path: str, args, bar) -> dict:
                     if rep >= WARM:
                         walls[n].append(wall)
                         phases[n].append([sum(t[p] for t in seconds) / len(seconds) / passes for p in range(len(names))])
+                        threads[n].append([[t[p] / passes for p in range(len(names))] for t in seconds])
                 bar.update(1)
             rows = {}
             for n in args.rows:
                 wall, mean = trimmed(walls[n], phases[n])
                 us = {name: s * 1e6 for name, s in zip(names, mean)}
                 us["outside"] = max(0.0, wall * 1e6 - sum(us.values()))
+                per = by_thread(walls[n], threads[n], names)
                 rows[str(n)] = {"wall_us": wall * 1e6, "phase_us": us,
-                                "share": {k: v / (wall * 1e6) for k, v in us.items()}}
+                                "share": {k: v / (wall * 1e6) for k, v in us.items()}, "thread_us": per,
+                                "busy_us": [sum(v for k, v in t.items() if k != "wait") for t in per]}
             out["contexts"][str(ctx)] = rows
     out["phases"] = names + ["outside"]
     return out
@@ -127,18 +146,25 @@ def table(result: dict) -> str:
     region = result.get("regime", "").startswith("region")
     how = (f"{REGION_PASSES} passes back to back in one native call (as plain decoding's steps run)" if region
            else "one native call")
+    busy = any("busy_us" in row for r in result["models"].values() for rows in r["contexts"].values()
+               for row in rows.values())
     lines = [f"Where a forward pass goes: a pass over N new tokens (a chain) after C cached tokens, {how}, "
              f"microseconds a pass and share of its wall time; each phase the mean over the threads, their "
              f"waits for each other apart, `outside` the call and the threads' fork and join ({m['cpu']}, {ext}; "
              f"{result['threads']} threads; means over the fastest {KEEP:.0%} of {result['repeats']} repeats, the "
-             "row counts alternating within each):", ""]
+             "row counts alternating within each)" + (
+                 "; `busy by thread`: each thread's time in the phases other than its waits, thread 0 first (the "
+                 "others wait for the slowest at every barrier)" if busy else "") + ":", ""]
     for name, r in result["models"].items():
         phases = r["phases"]
         lines += [f"**{name}** ({r['params'] / 1e6:.1f}M parameters)", "",
-                  "| C | N | wall | " + " | ".join(phases) + " |", "|---|---|---|" + "---|" * len(phases)]
+                  "| C | N | wall | " + " | ".join(phases) + (" | busy by thread" if busy else "") + " |",
+                  "|---|---|---|" + "---|" * (len(phases) + busy)]
         for ctx, rows in r["contexts"].items():
             for n, row in rows.items():
                 cells = [f"{row['phase_us'][p]:.0f} ({row['share'][p]:.0%})" for p in phases]
+                if busy:
+                    cells.append(" / ".join(f"{b:.0f}" for b in row.get("busy_us", [])))
                 lines.append(f"| {ctx} | {n} | {row['wall_us']:.0f} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines).rstrip()

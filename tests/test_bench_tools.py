@@ -172,6 +172,13 @@ def test_the_phases_bench_averages_the_fastest_repeats_so_the_phases_add_up():
                                     "contexts": {"256": {"2": row}}}}}
     text = phases.table(result)
     assert "| 256 | 2 | 400 | 100 (25%) | 250 (62%) | 50 (12%) |" in text and "Test CPU" in text
+    assert "busy by thread" not in text  # a result from before the per-thread figures renders as it did
+    # Per thread, over the same repeats: thread 1 of repeat i works (i + 1) x thread 0's time.
+    per_repeat = [[[walls[i] / 4], [walls[i] / 4 * (i + 1)]] for i in range(5)]  # [repeat][thread][phase]
+    per = phases.by_thread(walls, per_repeat, ["qkv"])
+    assert [t["qkv"] for t in per] == pytest.approx([2.5 / 4 * 1e6, (0.25 + 1 + 2.25 + 4) / 4 * 1e6])
+    row["busy_us"] = [210.4, 226.6]
+    assert "| busy by thread |" in phases.table(result) and "| 50 (12%) | 210 / 227 |" in phases.table(result)
 
 
 @pytest.mark.parametrize("argv,needle", [(["--repeats", "1"], "--repeats must be >= 2"),
@@ -588,3 +595,12 @@ def test_the_phases_bench_times_passes_in_calls_and_back_to_back(checkpoints):
                 inside = sum(v for k, v in row["phase_us"].items() if k != "outside")
                 assert 0 < inside <= row["wall_us"] * 1.05, (region, row)
                 assert row["phase_us"]["qkv"] > 0 and row["phase_us"]["attention"] > 0
+                # Each thread's phases, over the same repeats, average to the table's, and a thread's
+                # busy time and waits stay within the pass.
+                per = row["thread_us"]
+                assert len(per) == len(row["busy_us"]) >= 1
+                for name, us in row["phase_us"].items():
+                    if name != "outside":
+                        assert sum(t[name] for t in per) / len(per) == pytest.approx(us, rel=1e-9), (name, row)
+                for t, b in zip(per, row["busy_us"]):
+                    assert 0 < b <= b + t["wait"] <= row["wall_us"] * 1.05, (region, row)
