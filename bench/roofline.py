@@ -23,6 +23,10 @@ fp16 weights, or ``--models DIR ...``; ``--bf16`` adds a copy of each stored in 
   bound of the rows beyond the first: what the pass costs where the widening and the other rows'
   FMAs take turns on the same pipes (on the AVX2 Zen 1 they mostly do; a ratio under 1 shows
   them overlapping);
+- a chain of N tokens (N = 1..8) below the same prefix, passes back to back in one native call
+  (``NativeGPT2.region_passes``, the regime of plain decoding's steps and of fixed chains'
+  rounds: no call from Python a pass, which the phases bench finds costing a one-row pass up to
+  1.5x), against the same bounds;
 - plain decoding tokens/s through the Engine against HF transformers ``generate`` (greedy, fp32)
   and against **llama.cpp** (``llama-bench -p 0 -n 128``) on the same checkpoint converted to
   GGUF at the same precision (f16 when the weights are fp16-exact, bf16 when bf16-exact), same
@@ -242,6 +246,47 @@ def node_curve(model, backend, prefix: int = PREFIX, repeats: int = 15) -> tuple
     return out, keys
 
 
+CHAIN_NODES = [n for n in NODES if n <= 9]  # the most tokens a step region's pass takes (NativeGPT2::kStepRows)
+
+
+def chain_curve(model, backend, prefix: int = PREFIX, repeats: int = 15, passes: int = 8) -> dict[int, float]:
+    """Median seconds of a pass over a chain of N tokens below a ``prefix``-token context (N in
+    ``CHAIN_NODES``), ``passes`` back to back in one native call (``NativeGPT2.region_passes``:
+    the regime of plain decoding's steps and of fixed chains' rounds, no call from Python in
+    between), the first pass of each call left out (it pays the threads' fork). Empty off the
+    native path."""
+    from staged_engine.model.runner import ModelRunner
+
+    runner = ModelRunner(model, backend)
+    runner.reset()  # the native packing is the runner's from here
+    if runner.packing(1) is None:
+        return {}
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (prefix + max(CHAIN_NODES),), generator=g).tolist()
+    out = {}
+    with torch.inference_mode():
+        runner.reset()
+        runner.prefill(ids[:prefix])
+        start = runner.length
+        for n in CHAIN_NODES:
+            times = []
+            for r in range(repeats + 2):
+                runner.reserve(n)
+                seconds = runner.packing(n).region_passes(runner.cache.k, runner.cache.v, start,
+                                                          ids[prefix:prefix + n], passes)
+                runner.discard()
+                if r >= 2:
+                    times += seconds[1:]
+            out[n] = statistics.median(times)
+    return out
+
+
+def chain_keys(n: int, prefix: int = PREFIX) -> int:
+    """Keys a chain of n tokens below ``prefix`` committed ones scores in all: each token the
+    prefix, the tokens before it and itself."""
+    return n * prefix + n * (n + 1) // 2
+
+
 def pass_bounds(n: int, keys: int, n_layer: int, n_embd: int, weight_bytes: float, flop_per_node: float,
                 bandwidth: float, rate: float, prefix: int = PREFIX) -> dict:
     """The bounds of an ``n``-node pass below ``prefix`` committed tokens whose nodes score
@@ -321,7 +366,8 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
     for k in range(args.rounds):
         progress(f"{name}: round {k + 1} of {args.rounds} ...")
         curve, keys = node_curve(model, backend)
-        r = {"bw": read_bandwidth(nbytes), "ms": decode_ms(model, backend), "curve": curve}
+        r = {"bw": read_bandwidth(nbytes), "ms": decode_ms(model, backend), "curve": curve,
+             "chain": chain_curve(model, backend)}
         if not args.no_hf:
             r["engine"], r["hf"] = engine_tokens_per_s(path), hf_tokens_per_s(path)
         if not args.no_llama_cpp:
@@ -348,6 +394,12 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
         node.update(seconds=t, ratio_to_bound=t / max(node["compute_bound_s"], node["bandwidth_bound_s"]),
                     ratio_to_weights_bound=t / node["weights_bound_s"])
         nodes[str(n)] = node
+    chains = {}
+    for n in raw[0]["chain"]:
+        t = med(r["chain"][n] for r in raw)
+        chain = pass_bounds(n, chain_keys(n), cfg.n_layer, cfg.n_embd, nbytes, flop_per_node, bw, rate)
+        chain.update(seconds=t, ratio_to_bound=t / max(chain["compute_bound_s"], chain["bandwidth_bound_s"]))
+        chains[str(n)] = chain
     # Each round's decode against the bound its own bandwidth probe, run just before, set: the
     # machine's state is the same for both (on a shared VM the DRAM read rate moves between
     # rounds by up to 1.6x, and the best probe of one round against the median decode of others
@@ -362,6 +414,7 @@ def measure(name: str, path: str, args, dram_bw: float, rate: float, widen: floa
            "share_of_bound_rounds": paired, "share_of_bound_paired": med(paired),
            "bound_ms": bound_bw * 1e3, "share_of_bound": bound_bw / ms,
            "dram_bound_ms": bound_dram * 1e3, "share_of_dram_bound": bound_dram / ms, "nodes": nodes,
+           "chains": chains,
            "widening_bound_ms": bound_widen * 1e3 if bound_widen else None}
     derive_widening_ratios(row)
     if not args.no_hf:
@@ -418,6 +471,15 @@ def table(result: dict) -> str:
               "| model | " + " | ".join(f"N={n}" for n in NODES) + " |", "|---|" + "---|" * len(NODES)]
     for name, r in result["models"].items():
         lines.append(f"| {name} | " + " | ".join(f"{r['nodes'][str(n)]['ratio_to_bound']:.2f}" for n in NODES) + " |")
+    chained = {name: r for name, r in result["models"].items() if r.get("chains")}
+    if chained:  # the regime of plain steps and fixed chains' rounds, no call from Python a pass
+        lines += ["", f"A chain of N tokens below the same prefix, passes back to back in one native call (as plain "
+                  "decoding's steps and fixed chains' rounds run), over the same bounds:", "",
+                  "| model | " + " | ".join(f"N={n}" for n in CHAIN_NODES) + " |", "|---|" + "---|" * len(CHAIN_NODES)]
+        for name, r in chained.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{r['chains'][str(n)]['ratio_to_bound']:.2f}" if str(n) in r["chains"] else "" for n in CHAIN_NODES)
+                + " |")
     widened = {name: r for name, r in result["models"].items() if r.get("widening_bound_ms")}
     if widened:  # where the widening competes with the FMAs for the same pipes, their times add
         lines += ["", "The same passes of fp16-packed models over max(bandwidth bound, widening bound + compute "

@@ -604,3 +604,25 @@ def test_the_phases_bench_times_passes_in_calls_and_back_to_back(checkpoints):
                         assert sum(t[name] for t in per) / len(per) == pytest.approx(us, rel=1e-9), (name, row)
                 for t, b in zip(per, row["busy_us"]):
                     assert 0 < b <= b + t["wait"] <= row["wall_us"] * 1.05, (region, row)
+
+
+def test_the_roofline_times_chains_back_to_back_against_their_own_bounds(checkpoints):
+    """A chain of N tokens below the prefix, passes back to back in one native call: a positive
+    median for every N up to 8 (the curve was empty while the runner's native packing was asked
+    for before its reset); a chain's keys are the prefix's and the tokens before it for each
+    token; the table gains the chains' ratios where a result has them and not otherwise."""
+    roofline = _bench_module("roofline")
+    from staged_engine.model.backend import TorchBackend
+    from staged_engine.model.checkpoint import load_model
+
+    model = load_model(checkpoints["odd96"])
+    curve = roofline.chain_curve(model, TorchBackend(), prefix=16, repeats=2, passes=3)
+    assert list(curve) == roofline.CHAIN_NODES == [1, 2, 4, 8] and all(t > 0 for t in curve.values())
+    assert roofline.chain_keys(3, prefix=10) == 3 * 10 + 1 + 2 + 3
+    result = {"machine": {"cpu": "Test CPU", "vector_extensions": ["avx2"]}, "threads": 2, "rounds": 5,
+              "dram_read_GBps": 21.1, "gemm_GFLOPs": 68.0, "widening_GBps": None,
+              "models": {"oracle": _roofline_model(0.911, None), "draft": _roofline_model(0.076, None)}}
+    assert "A chain of N tokens" not in roofline.table(result)
+    result["models"]["oracle"]["chains"] = {str(n): {"ratio_to_bound": 1.2 + n / 100} for n in (1, 2, 4, 8)}
+    text = roofline.table(result).split("A chain of N tokens")[1]
+    assert "| oracle | 1.21 | 1.22 | 1.24 | 1.28 |" in text and "| draft |" not in text
