@@ -108,10 +108,8 @@ def measure(path: str, args, bar) -> dict:
                 for n in (args.rows if rep % 2 == 0 else list(reversed(args.rows))):
                     _cpu.phase_seconds()  # the totals start from zero
                     if args.region:  # REGION_PASSES back to back in one native call
-                        runner.reserve(n)
                         t0 = time.perf_counter()
-                        runner.packing(n).region_passes(runner.cache.k, runner.cache.v, start, ids[ctx:ctx + n],
-                                                        REGION_PASSES)
+                        runner.region_passes(ids[ctx:ctx + n], REGION_PASSES)
                         wall = (time.perf_counter() - t0) / REGION_PASSES
                         expected = REGION_PASSES
                     else:
@@ -119,7 +117,7 @@ def measure(path: str, args, bar) -> dict:
                         runner.forward_nodes(ids[ctx:ctx + n], list(range(start, start + n)), None)
                         wall = time.perf_counter() - t0
                         expected = 1
-                    runner.discard()
+                        runner.discard()
                     passes, names, seconds = _cpu.phase_seconds()
                     if passes != expected or not seconds:
                         raise RuntimeError(f"expected {expected} timed passes over {n} rows, the native clock saw {passes}")

@@ -258,23 +258,18 @@ def chain_curve(model, backend, prefix: int = PREFIX, repeats: int = 15, passes:
     from staged_engine.model.runner import ModelRunner
 
     runner = ModelRunner(model, backend)
-    runner.reset()  # the native packing is the runner's from here
-    if runner.packing(1) is None:
-        return {}
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (prefix + max(CHAIN_NODES),), generator=g).tolist()
     out = {}
     with torch.inference_mode():
         runner.reset()
         runner.prefill(ids[:prefix])
-        start = runner.length
         for n in CHAIN_NODES:
             times = []
             for r in range(repeats + 2):
-                runner.reserve(n)
-                seconds = runner.packing(n).region_passes(runner.cache.k, runner.cache.v, start,
-                                                          ids[prefix:prefix + n], passes)
-                runner.discard()
+                seconds = runner.region_passes(ids[prefix:prefix + n], passes)
+                if seconds is None:  # off the native path
+                    return {}
                 if r >= 2:
                     times += seconds[1:]
             out[n] = statistics.median(times)

@@ -608,8 +608,8 @@ def test_the_phases_bench_times_passes_in_calls_and_back_to_back(checkpoints):
 
 def test_the_roofline_times_chains_back_to_back_against_their_own_bounds(checkpoints):
     """A chain of N tokens below the prefix, passes back to back in one native call: a positive
-    median for every N up to 8 (the curve was empty while the runner's native packing was asked
-    for before its reset); a chain's keys are the prefix's and the tokens before it for each
+    median for every N up to 8 (an empty curve would mean the native path was not taken); a
+    chain's keys are the prefix's and the tokens before it for each
     token; the table gains the chains' ratios where a result has them and not otherwise."""
     roofline = _bench_module("roofline")
     from staged_engine.model.backend import TorchBackend

@@ -83,6 +83,21 @@ class ModelRunner:
             return None
         return packing_for(rows, self._native, self._wide, self._wide_from)
 
+    def region_passes(self, tokens: list[int], passes: int) -> list[float] | None:
+        """``passes`` passes over the chain ``tokens`` (1-9) after row 0's committed slots, back to
+        back in one native step region (``NativeGPT2.region_passes``: as plain decoding's steps
+        run), for the benches that time passes there; their entries are left pending and then
+        discarded, the cache as it was. Returns each pass's seconds (the first with the threads'
+        fork), or None off the native path."""
+        native = self.packing(len(tokens))
+        if native is None:
+            return None
+        start = self.reserve(len(tokens))
+        try:
+            return native.region_passes(self.cache.k, self.cache.v, start, tokens, passes)
+        finally:
+            self.discard()
+
     def reserve(self, n: int) -> int:
         """Reserve ``n`` pending slots of row 0 for passes run elsewhere (a native round writes
         them as ``forward_ids`` would); returns the row's committed length, their start."""

@@ -1248,3 +1248,23 @@ def test_region_passes_write_what_forward_ids_writes_and_refuse_bad_input(checkp
                              ((20, [model.config.vocab_size], 1), "outside the vocabulary")]:
             with pytest.raises(ValueError, match=needle):
                 native.region_passes(k, v, *args)
+
+
+def test_the_runner_runs_region_passes_and_leaves_its_cache_as_it_was(checkpoints):
+    """``ModelRunner.region_passes`` (the benches' way in): one positive time a pass after the
+    row's committed slots, the pending entries discarded after (the committed length and the
+    committed entries unchanged, nothing pending), and None on the tensor path."""
+    model = load_model(checkpoints["odd96"])
+    runner = ModelRunner(model, TorchBackend(native=True))
+    runner.reset()
+    prompt = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.inference_mode():
+        runner.prefill(prompt)
+        committed = runner.cache.k[:, 0, :, :12].clone()
+        seconds = runner.region_passes([3, 4, 5], 4)
+    assert len(seconds) == 4 and all(s > 0 for s in seconds)
+    assert runner.length == 12 and runner.pending == 0
+    assert torch.equal(runner.cache.k[:, 0, :, :12], committed)
+    stock = ModelRunner(model, TorchBackend(native=False))
+    stock.reset()
+    assert stock.region_passes([3], 1) is None
