@@ -26,9 +26,9 @@ the one-row figure a verified row is to be weighed against. On the demo oracle (
 both ways in one sitting, at a846dbd) one-row passes back to back took 0.75-0.81x the time of
 one call a pass, and a second row added 31-40% to them (their products 28-42%), where in calls
 it added 9-22% (the products 1-7%) to a slower pass; back to back the figures also held still:
-two runs 25 minutes apart within 3% at each context, one call a pass 9-14% apart. In a later
-sitting (502f92e) back to back took 0.64-0.96x a call and a second row added 30-40%, in calls
-32-35%: what a row adds in calls moves with the hour, back to back less.
+two runs 25 minutes apart within 3% at each context, one call a pass 9-14% apart. In later
+sittings back to back took 0.64-0.96x a call and a second row added 30-40%, in calls 32-35%
+(502f92e), then 0.82-0.89x, 37-43% and 26-27% (2c5639e): what a row adds moves with the hour.
 
 Every figure is a mean over the repeats whose wall time is among the fastest 80% (a scheduler
 hiccup skews one pass by milliseconds), so the phases add up to the wall time; the first
