@@ -79,8 +79,12 @@ def save(result: dict, name: str) -> str:
 def plot_path(out: str, default_out: str, default_stem: str) -> str:
     """Where a bench's PNG goes: bench/results/plots/<default_stem>.png for the default result
     file, else named after ``out`` (roofline_avx2.json -> roofline_avx2.png), so a second
-    machine's run keeps the first's plot."""
+    machine's run keeps the first's plot. An ``out`` with a directory (``save`` writes the JSON
+    there, not under bench/results/) takes its plot beside it: a trial run outside the checkout
+    leaves nothing in it."""
     stem = default_stem if out == default_out else os.path.splitext(os.path.basename(out))[0]
+    if os.path.dirname(out):
+        return os.path.join(os.path.dirname(os.path.abspath(out)), stem + ".png")
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", stem + ".png")
 
 

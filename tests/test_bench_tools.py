@@ -483,6 +483,15 @@ def test_the_kv_dtype_table_reports_each_length_and_mode():
     assert "Test CPU" in text
 
 
+def test_a_result_written_outside_the_checkout_takes_its_plot_beside_it(tmp_path):
+    common = _bench_module("common")
+    plots = os.path.join(BENCH, "results", "plots")
+    assert common.plot_path("phases.json", "phases.json", "phases") == os.path.join(plots, "phases.png")
+    assert common.plot_path("phases_avx2.json", "phases.json", "phases") == os.path.join(plots, "phases_avx2.png")
+    out = str(tmp_path / "trial.json")
+    assert common.plot_path(out, "phases.json", "phases") == str(tmp_path / "trial.png")
+
+
 def test_first_divergence_names_where_two_outputs_part():
     common = _bench_module("common")
     assert common.first_divergence([1, 2, 3], [1, 2, 3]) is None
