@@ -67,10 +67,15 @@ def timed(fn, repeats: int, warmup: int = 1) -> tuple[list[float], object]:
     return times, out
 
 
+def result_path(name: str) -> str:
+    """Where a result named ``name`` (a bench's --out) lives: bench/results/<name> for a
+    relative name, the path itself for an absolute one."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+
+
 def save(result: dict, name: str) -> str:
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, name)
+    path = result_path(name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     return path
@@ -79,12 +84,12 @@ def save(result: dict, name: str) -> str:
 def plot_path(out: str, default_out: str, default_stem: str) -> str:
     """Where a bench's PNG goes: bench/results/plots/<default_stem>.png for the default result
     file, else named after ``out`` (roofline_avx2.json -> roofline_avx2.png), so a second
-    machine's run keeps the first's plot. An ``out`` with a directory (``save`` writes the JSON
-    there, not under bench/results/) takes its plot beside it: a trial run outside the checkout
-    leaves nothing in it."""
+    machine's run keeps the first's plot. An ``out`` with a directory of its own (``save``
+    writes the JSON there, ``result_path``) takes its plot beside it: a trial run outside the
+    checkout leaves nothing in it."""
     stem = default_stem if out == default_out else os.path.splitext(os.path.basename(out))[0]
     if os.path.dirname(out):
-        return os.path.join(os.path.dirname(os.path.abspath(out)), stem + ".png")
+        return os.path.join(os.path.dirname(result_path(out)), stem + ".png")
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "plots", stem + ".png")
 
 

@@ -55,6 +55,7 @@ from common import (
     plot_path,
     progress,
     publish,
+    result_path,
     round_to_bfloat16_,
     run_main,
 )
@@ -544,7 +545,7 @@ def main(argv=None) -> int:
                          "own measurements (after a change to how they are derived)")
     args = ap.parse_args(argv)
     if args.render:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", args.out)) as f:
+        with open(result_path(args.out)) as f:
             result = json.load(f)
         for row in result["models"].values():
             derive_widening_ratios(row)

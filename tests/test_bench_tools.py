@@ -490,6 +490,11 @@ def test_a_result_written_outside_the_checkout_takes_its_plot_beside_it(tmp_path
     assert common.plot_path("phases_avx2.json", "phases.json", "phases") == os.path.join(plots, "phases_avx2.png")
     out = str(tmp_path / "trial.json")
     assert common.plot_path(out, "phases.json", "phases") == str(tmp_path / "trial.png")
+    # a relative name with a directory: the JSON under bench/results/, its plot beside it
+    assert common.result_path("sub/x.json") == os.path.join(BENCH, "results", "sub", "x.json")
+    assert common.plot_path("sub/x.json", "phases.json", "phases") == os.path.join(BENCH, "results", "sub", "x.png")
+    nested = str(tmp_path / "a" / "b" / "r.json")
+    assert common.save({"x": 1}, nested) == nested and json.load(open(nested)) == {"x": 1}
 
 
 def test_first_divergence_names_where_two_outputs_part():
