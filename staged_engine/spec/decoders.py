@@ -326,6 +326,7 @@ class SpeculativeDecoder(Decoder):
         drafter, oracle = self.drafter, self.oracle
         if oracle.native is None or not drafter.native_chain():
             return None
+        drafter.trim_backlog()  # the round's first draft pass evaluates the backlog
         root_position = oracle.length
         n_ctx = min(oracle.max_len, oracle.model.config.n_positions)
         depth = drafter.chain_depth(min(depth, remaining - 1, n_ctx - 2 - root_position),
@@ -370,6 +371,7 @@ class SpeculativeDecoder(Decoder):
         drafter, oracle = self.drafter, self.oracle
         if oracle.native is None or not drafter.native_chain():
             return None
+        drafter.trim_backlog()  # the block's first draft pass evaluates the backlog
         root_position = oracle.length
         n_ctx = min(oracle.max_len, oracle.model.config.n_positions)
         # Every token within the window, and every entry within both caches: each round's chain

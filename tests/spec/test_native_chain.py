@@ -255,6 +255,51 @@ def test_lookup_first_blocks_equal_the_python_rounds_and_plain_decoding(pair, pa
     _assert_same_state(blocks, python)
 
 
+class LookupFirstRounds(SpeculativeDecoder):
+    """A lookup-or-draft round a call: prompt lookup's chain in Python, the draft's in one native
+    call (``_native_chain``)."""
+
+    def round(self, remaining: int) -> list[int]:
+        if self.drafter.lookup_matches():
+            return LookupFirstPython.round(self, remaining)
+        emitted = self._native_chain(remaining, self.drafter.shape.max_depth)
+        return emitted if emitted is not None else LookupFirstPython.round(self, remaining)
+
+
+@pytest.mark.parametrize("native", ["chain_rounds", "chain_round"])
+@pytest.mark.parametrize("params", RULES, ids=["greedy", "top_k", "top_p"])
+def test_a_lookup_first_arm_holds_a_long_backlog_to_the_window(pair, params, native, monkeypatch):
+    """A lookup-or-draft arm never catches up (its draft falls behind by each lookup round and
+    its next pass evaluates the rest), so under a planner's lazy start its first native call, a
+    block or a round, meets the whole prompt as the draft's backlog. That call's first pass
+    evaluates only the window's tokens, from the draft's position 0
+    (``ModelDrafter.trim_backlog``), as a Python round's does; the tokens are plain decoding's."""
+    oracle, draft = (load_model(d) for d in pair)
+    prompt = torch.randint(0, oracle.config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    window = 8
+    calls = []
+    real = getattr(_cpu, native)
+
+    def recording(*args, **kwargs):
+        calls.append((args[3], len(args[4])))  # the draft's start slot, its unseen tokens
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_cpu, native, recording)
+    cls = LookupFirstBlocks if native == "chain_rounds" else LookupFirstRounds
+    blocks, python = (_make(c, oracle, draft, params, 2, window) for c in (cls, LookupFirstPython))
+    for dec in (blocks, python):
+        dec.planner_factory = object  # a planner's start: the drafter starts lazily, the prompt unseen
+    with torch.inference_mode():
+        got, _ = _run(blocks, prompt, 24)
+        want, _ = _run(python, prompt, 24)
+        sampling = SamplingConfig.make(params, oracle.config.vocab_size)
+        ref, _ = _run(PlainDecoder(ModelRunner(oracle, TorchBackend(native=True)), sampling), prompt, 24)
+    assert calls[0] == (0, window + 1)
+    assert blocks.drafter.offset == python.drafter.offset == len(prompt) - 1 - window
+    assert got[:24] == want[:24] == ref[:24]
+    _assert_same_state(blocks, python)
+
+
 def _draft_chain_reference(draft, prompt, depth):
     """The draft's greedy chain after ``prompt`` on the torch path, with each token's softmax
     probability: the independent reference of what a planned chain offers."""
