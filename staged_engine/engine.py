@@ -393,12 +393,12 @@ class Engine:
     def _dsbd_memory(self, config: GenerationConfig) -> PlannerMemory:
         """DSBD's planner memory for this width, layout and set of knobs, greedy or sampling;
         on disk keyed by the models and this machine as the profiles are."""
-        cfg, layout = config.beam.dsbd, config.beam.layout
-        key = ("dsbd", layout, cfg, config.params.greedy)
+        cfg, layout, window = config.beam.dsbd, config.beam.layout, config.beam.draft_window
+        key = ("dsbd", layout, cfg, window, config.params.greedy)
         return self._memory(key, lambda: {
-            "schema": 1, "oracle": profile_key(self.oracle, self.backend),
+            "schema": 2, "oracle": profile_key(self.oracle, self.backend),
             "draft": profile_key(self.draft, self.backend), "strategy": "dsbd", "layout": layout,
-            "dsbd": vars(cfg), "greedy": config.params.greedy}, dsbd_arms(cfg.gamma))
+            "dsbd": vars(cfg), "draft_window": window, "greedy": config.params.greedy}, dsbd_arms(cfg.gamma))
 
     def _memory(self, key: tuple, disk_key, arms) -> PlannerMemory:
         """The memory kept in process under ``key`` (the 32 most recent), else the one on disk

@@ -23,5 +23,5 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "tree": (*TREE_KNOBS, "adaptive", "draft_window"),
     "staged": (*TREE_KNOBS, "adaptive", "draft_window", "ngram_widths", "ngram_learn"),
     "beam": ("layout",),
-    "dsbd": ("layout", *DSBD_DEFAULTS, "adaptive"),
+    "dsbd": ("layout", *DSBD_DEFAULTS, "adaptive", "draft_window"),
 }

@@ -90,7 +90,7 @@ def make_beam_decoder(engine, strategy: str, sampling: SamplingConfig, num_beams
     check_fits(num_beams, [(engine.oracle, rows, slack), (engine.draft, rows, draft_slack)])
     return DSBDDecoder(_beam_runner(engine.oracle, engine.backend, rows, slack),
                        _beam_runner(engine.draft, engine.backend, rows, draft_slack), sampling, cfg, layout,
-                       slack, memory)
+                       slack, memory, config.draft_window)
 
 
 def check_fits(num_beams: int, runners: list[tuple[GPT2, int, int]]) -> None:
@@ -633,9 +633,11 @@ class DSBDDecoder(_BeamBase):
     name = "dsbd"
 
     def __init__(self, oracle: ModelRunner, draft: ModelRunner, sampling: SamplingConfig,
-                 cfg: DSBDConfig, layout: str, slack: int, memory: PlannerMemory | None = None) -> None:
+                 cfg: DSBDConfig, layout: str, slack: int, memory: PlannerMemory | None = None,
+                 draft_window: int | None = None) -> None:
         super().__init__(oracle, sampling, cfg.width, layout, slack)
         self.draft = draft
+        self.draft_window = draft_window
         self.draft_lm = _beam_lm(draft, self.params, layout, slack)
         self.cfg = cfg
         self.memory = memory
@@ -652,7 +654,11 @@ class DSBDDecoder(_BeamBase):
         self.clock.reset()
 
     def _start_draft(self) -> None:
-        self.draft_lm.start(self.prompt)
+        """Prefill the draft with the prompt's last ``draft_window`` tokens before its last (all
+        of them with None), at the draft's own positions 0..: what a draft pass costs grows
+        with its context, and a draft guesses from the text's last few dozen tokens."""
+        w = self.draft_window
+        self.draft_lm.start(self.prompt if w is None else self.prompt[-(w + 1):])
         self.draft_started = True
 
     def _step(self) -> int:

@@ -39,7 +39,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ngram-widths", type=str, help="n-gram mini-tree widths, e.g. 12,7,4,1,1,1")
     s.add_argument("--draft-window", type=int, metavar="N",
                    help="the most context the draft catches up on at once: a longer backlog restarts its "
-                        "cache from the last N tokens (default 64; outputs are unchanged)")
+                        "cache from the last N tokens (default 64; outputs are unchanged); for dsbd, the most "
+                        "of the prompt the draft prefills (its draws change, their law does not)")
     d = p.add_argument_group("beam / DSBD knobs (defaults: the DSBD paper's)")
     d.add_argument("--gamma", type=int, help="DSBD: draft layers per round (default 4)")
     d.add_argument("--draft-width", type=int, help="DSBD: draft beams W_S (default 8)")

@@ -194,6 +194,26 @@ def test_dsbd_matches_core_on_hf(engine, hf, layout, memory_mode, dynamic, width
     assert s["new_tokens"] == steps and sum(s["accepted_lengths"]) == steps
 
 
+@pytest.mark.parametrize("layout", ["tree", "rows"])
+@pytest.mark.parametrize("window", [4, None])
+def test_a_windowed_dsbd_draft_prefills_the_prompt_s_tail_at_its_own_positions(engine, hf, layout, window):
+    """``draft_window``: the draft prefills only the prompt's last N tokens before its last, at
+    positions 0.. of its own, and DSBD then draws exactly what the core draws with an HF draft
+    that sees that tail alone (None: the whole prompt, the reference of the test above)."""
+    prompt, steps, seed, width, temperature = _prompt(11, 13), 16, 13, 2, 1.0
+    opts = dict(gamma=3, draft_width=4, threshold=0.7, w_min=1, dynamic=True, memory_mode=False)
+    res = engine.generate(prompt, max_new_tokens=steps, strategy="dsbd", num_beams=width, temperature=temperature,
+                          seed=seed, layout=layout, draft_window=window, **opts)
+    oracle = HFBeamLM(hf[0], prompt[:-1], temperature, 0, 1.0)
+    draft = HFBeamLM(hf[1], prompt[:-1] if window is None else prompt[-window - 1:-1], temperature, 0, 1.0)
+    ref = dsbd_generate(oracle, draft, prompt[-1:], steps, torch.Generator().manual_seed(seed),
+                        DSBDConfig(width=width, **opts))
+    s = res.stats
+    assert s["beam_token_ids"] == [list(b[1:]) for b in ref.seqs]
+    assert max(abs(a - b) for a, b in zip(s["beam_scores"], ref.log_scores.tolist())) < 1e-3
+    assert s["beam_widths"] == ref.stats["widths"] and s["beams_accepted"] == ref.stats["accepted"]
+
+
 class _Schedule:
     """Stand-in for a planner memory's ``Stints``: the arm of every round, in order."""
 
@@ -357,7 +377,8 @@ def test_dynamic_width_varies(engine):
     ("dsbd", dict(w_min=0), "w_min"), ("dsbd", dict(dynamic="yes"), "dynamic"),
     ("dsbd", dict(memory_mode=1), "memory_mode"), ("dsbd", dict(budget=4), "budget"),
     ("dsbd", dict(layout="grid"), "layout"), ("beam", dict(gamma=4), "gamma"),
-    ("beam", dict(layout=None), "layout"),
+    ("beam", dict(layout=None), "layout"), ("dsbd", dict(draft_window=0), "draft_window"),
+    ("dsbd", dict(draft_window=2.5), "draft_window"), ("beam", dict(draft_window=8), "draft_window"),
 ])
 def test_bad_options_raise(engine, strategy, opts, needle):
     with pytest.raises(ValueError, match=needle):
