@@ -494,7 +494,9 @@ def test_a_result_written_outside_the_checkout_takes_its_plot_beside_it(tmp_path
     assert common.result_path("sub/x.json") == os.path.join(BENCH, "results", "sub", "x.json")
     assert common.plot_path("sub/x.json", "phases.json", "phases") == os.path.join(BENCH, "results", "sub", "x.png")
     nested = str(tmp_path / "a" / "b" / "r.json")
-    assert common.save({"x": 1}, nested) == nested and json.load(open(nested)) == {"x": 1}
+    assert common.save({"x": 1}, nested) == nested
+    with open(nested) as f:
+        assert json.load(f) == {"x": 1}
 
 
 def test_first_divergence_names_where_two_outputs_part():

@@ -40,7 +40,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-window", type=int, metavar="N",
                    help="the most context the draft catches up on at once: a longer backlog restarts its "
                         "cache from the last N tokens (default 64; outputs are unchanged); for dsbd, the most "
-                        "of the prompt the draft prefills (its draws change, their law does not)")
+                        "of the prompt the draft prefills (it changes the draws; with a fixed width not their "
+                        "law)")
     d = p.add_argument_group("beam / DSBD knobs (defaults: the DSBD paper's)")
     d.add_argument("--gamma", type=int, help="DSBD: draft layers per round (default 4)")
     d.add_argument("--draft-width", type=int, help="DSBD: draft beams W_S (default 8)")

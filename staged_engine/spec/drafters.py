@@ -225,7 +225,7 @@ class ModelDrafter:
         backlog itself. (A lookup-or-draft arm never catches up: its draft falls behind by each
         lookup round and its next pass takes the rest. Untrimmed, that first pass evaluated the
         whole prompt: on the demo pair, 263 prompt tokens took the draft 3.2 ms, on the arm's
-        clock, where 64 take ~0.45.)"""
+        clock, where 64 take ~0.45 ms.)"""
         if self.window is not None and len(self.unseen) - 1 > self.window:
             self.runner.rollback(0)
             self.offset = len(self.history) - 1 - self.window  # the root's text position minus its own
