@@ -268,6 +268,10 @@ def save_memory(path: str, memory: "PlannerMemory") -> None:
 
 # Rounds a generation's first call may run, off the clock (``Stints.start_generation``).
 GENERATION_WARM = 4
+# The weight of each pair in the running estimate of how far pairs stray (``Stints.noise_var``),
+# and the most pairs of a restored memory that count as evidence for an arm (``Stints._sure``).
+NOISE_WEIGHT = 0.1
+KEPT_EVIDENCE = 4
 
 
 class Stints:
@@ -278,10 +282,12 @@ class Stints:
     machine's speed drifts by tens of percent over seconds, so arms are compared only in adjacent
     blocks, and only with plain steps: each time a drafting arm's block and a plain block are
     adjacent, the log ratio of their rates updates that arm's ``score``, its running
-    log(rate / plain's rate) (plain's is 0 by definition). The best-scored arm plays a stint of
+    log(rate / plain's rate) (plain's is 0 by definition). The best arm (plain steps unless a
+    drafting arm's score clears theirs by 1.5 standard errors: ``_sure``) plays a stint of
     ``stint`` blocks, then a check (``_schedule``): a challenger, chosen by the highest optimistic
     score (score plus a bonus that shrinks as its pairs grow), so an arm far behind is seldom
-    checked again. If the best arm changed the stint restarts, else it doubles, up to
+    checked again; one that beats plain steps but not surely yet is checked again after a first
+    stint. If the best arm changed the stint restarts, else it doubles, up to
     ``max_stint`` blocks, while the challenger's optimistic score is within 10% of the best's
     rate; further behind it grows (fourfold when plain steps are favoured) up to twice that within
     20%, four times beyond: a losing arm costs about one block in every
@@ -307,7 +313,7 @@ class Stints:
     def __init__(self, arms: int = 2 + len(FIXED_DEPTHS), block: int = 16, first_stint: int = 2,
                  max_stint: int = 32, bonus: float = 0.1, tie: float = 0.05, drop: float = 0.1,
                  far: float = 0.2, agree: float = 0.2, defer: float = 0.1,
-                 draftless: tuple[int, ...] = ()) -> None:
+                 draftless: tuple[int, ...] = (), sure: float = 1.5, noise: float = 0.15) -> None:
         if arms < 2:
             raise ValueError(f"arms must be at least 2 (plain and one drafting arm), got {arms}")
         self.draftless = frozenset(draftless)  # arms that never run the draft: none goes cold
@@ -329,6 +335,13 @@ class Stints:
         self.deferred = 0  # arms a confirmed memory left to the usual checks
         self.score = [0.0] * arms  # running log(rate / plain rate), from adjacent pairs
         self.pairs = [0] * arms  # adjacent pairs each arm took part in
+        # How far one pair's log ratio strays from the arm's score (a running mean square, from
+        # the prior ``noise``), and how many standard errors (``sure``) a drafting arm's score
+        # must clear to be favoured over plain steps (``_sure``). The arms kept by a restored
+        # memory count their kept pairs as evidence too, at most ``KEPT_EVIDENCE`` each.
+        self.sure = sure
+        self.noise_var = noise * noise
+        self.kept_pairs = [0] * arms
         self.last = [0.0] * arms  # the latest block rate of each arm
         self.rounds = [0] * arms
         self.checks = 0
@@ -484,6 +497,8 @@ class Stints:
         if a == PLAIN:
             a, ratio = b, -ratio
         first = self.pairs[a] == 0
+        if not first:  # how far this pair strays from what the arm's earlier pairs said
+            self.noise_var += NOISE_WEIGHT * ((ratio - self.score[a]) ** 2 - self.noise_var)
         self.pairs[a] += 1
         self.pairs[PLAIN] += 1
         w = max(0.3, 1.0 / (self.pairs[a] + 1))
@@ -504,6 +519,7 @@ class Stints:
         one."""
         kept, self.kept = self.kept, None
         if abs(ratio - kept[a]) > self.agree:
+            self.kept_pairs = [0] * self.n_arms
             return
         best = max(kept)
         for b in range(1, self.n_arms):
@@ -515,13 +531,36 @@ class Stints:
         # it a block, a catch-up and a cold round: the demo's halves are 576 tokens).
         self.stint = max(self.stint, self.kept_stint)
 
+    def _sure(self, a: int) -> float:
+        """What the plan favours by: plain steps' score (0), a drafting arm's score less
+        ``sure`` standard errors of it (the pairs' noise over the square root of its evidence:
+        its pairs here and those a restored memory kept), -inf for an arm with no evidence.
+
+        Plain steps are the safe way; a drafting arm replaces them only on evidence. A pair of
+        adjacent blocks is a noisy witness: on the AVX2 Zen 3, one pair's log ratio strayed from
+        its arm's mean by 0.3 (standard deviation; chain 2 against plain steps at T 1 / top-k
+        50 read 0.45x to 1.87x over 16 pairs where its mean was 0.8x), with the favourite taken
+        on the score alone, a first pair's 1.3x made a chain at 0.86x plain the favourite, and a
+        cold start from no memory played 0.82-0.93x plain over the sweep's 16 prompts. The
+        margin shrinks as the pairs grow and with the noise the pairs show (its estimate:
+        ``noise_var``), so on a quiet machine a faster chain is favoured after a pair or two.
+        Cold starts on the Zen 3 (the sweep's 16 prompts x 128 tokens from no memory, 6 processes
+        each way, alternating; ``sure`` 1.5 against 0): T 1 / top-k 50 0.924x plain against
+        0.896x, T 0.8 / top-p 0.95 0.921x against 0.927x, greedy 1.21x against 1.15x (means)."""
+        if a == PLAIN:
+            return 0.0
+        evidence = self.pairs[a] + min(self.kept_pairs[a], KEPT_EVIDENCE)
+        if evidence == 0:
+            return -math.inf
+        return self.score[a] - self.sure * math.sqrt(self.noise_var / evidence)
+
     def _schedule(self) -> None:
         """A plan ran out: a stint of the best arm, then a check, which ends with a block of
         the best arm so that the next plan is made with both of its pairs counted. With plain
         favoured, the check is one block of the drafting arm with the highest optimistic score;
         with a drafting arm favoured, every other check is one block of plain steps (which keeps
         the favoured arm's score current), the others a challenger's block then a plain one."""
-        best = max(range(self.n_arms), key=lambda a: (self.score[a], -a))
+        best = max(range(self.n_arms), key=lambda a: (self._sure(a), -a))
         total = sum(self.pairs) / 2 + 1
         bonus = lambda a: self.bonus * math.sqrt(math.log(total + 1) / (self.pairs[a] + 1))  # noqa: E731
         others = [a for a in range(1, self.n_arms) if a != best]
@@ -546,7 +585,11 @@ class Stints:
             # clock, not news: the stint grows on (restarting it would check plain and the
             # challengers every other block while two near-equal chains trade places).
             tie = best != PLAIN and self.favoured != PLAIN and self.score[self.favoured] > self.score[best] - self.tie
-            self.stint = min(grow * self.stint, cap) if best == self.favoured or tie else self.first_stint
+            # A challenger whose score beats plain steps' but not yet surely (``_sure``) is checked
+            # again after a first stint: the evidence that would make it the favourite comes sooner.
+            doubt = best == PLAIN and self.score[challenger] > 0
+            self.stint = min(grow * self.stint, cap) if (best == self.favoured or tie) and not doubt \
+                else self.first_stint
         self.favoured = best
         self.checks += 1
         if best == PLAIN:
@@ -564,8 +607,9 @@ class Stints:
         memory had compared and this process has not checked yet counts as compared once (its
         score is the kept one), and until the first check the stint is the kept one (``restore``
         starts each process from a first stint). Saved as never compared and at a first stint,
-        the next restore could not take the memory at its word (``_confirm``)."""
-        pairs = [p if p else int(c) for p, c in zip(self.pairs, self.kept_compared)]
+        the next restore could not take the memory at its word (``_confirm``); such an arm keeps
+        the pairs the memory had counted for it, the evidence ``_sure`` weighs."""
+        pairs = [p if p else max(k, 1) if c else 0 for p, c, k in zip(self.pairs, self.kept_compared, self.kept_pairs)]
         stint = self.stint if self.kept is None else max(self.stint, self.kept_stint)
         return {"arms": self.n_arms, "score": list(self.score), "pairs": pairs,
                 "rounds": list(self.rounds), "favoured": self.favoured, "stint": stint}
@@ -603,6 +647,7 @@ class Stints:
         self.score, self.rounds = [float(v) for v in score], list(rounds)
         self.pairs = [0] * self.n_arms
         self.kept, self.kept_compared = list(self.score), [p > 0 for p in pairs]
+        self.kept_pairs = list(pairs)
         self.kept_stint = stint
         self.favoured, self.stint = None, self.first_stint  # _schedule keeps it while nothing is favoured
         self.prev_arm, self.tokens, self.seconds = -1, 0.0, 0.0
