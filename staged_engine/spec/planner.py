@@ -539,9 +539,10 @@ class Stints:
         Plain steps are the safe way; a drafting arm replaces them only on evidence. A pair of
         adjacent blocks is a noisy witness: on the AVX2 Zen 3, one pair's log ratio strayed from
         its arm's mean by 0.3 (standard deviation; chain 2 against plain steps at T 1 / top-k
-        50 read 0.45x to 1.87x over 16 pairs where its mean was 0.8x), with the favourite taken
-        on the score alone, a first pair's 1.3x made a chain at 0.86x plain the favourite, and a
-        cold start from no memory played 0.82-0.93x plain over the sweep's 16 prompts. The
+        50 read 0.45x to 1.87x over 16 pairs where its mean was 0.8x). With the favourite taken
+        on the score alone, lucky pairs made a chain at 0.86x plain the favourite for 995 of a
+        cold start's ~2,000 rounds (scored 1.30x), and cold starts from no memory played
+        0.82-0.93x plain over the sweep's 16 prompts at T 1 / top-k 50. The
         margin shrinks as the pairs grow and with the noise the pairs show (its estimate:
         ``noise_var``), so on a quiet machine a faster chain is favoured after a pair or two.
         Cold starts on the Zen 3 (the sweep's 16 prompts x 128 tokens from no memory, 6 processes

@@ -410,12 +410,14 @@ _ARM_TOKENS = (1, 2, 1.6, 2.0, 2.2, 1.2, 1.8, 2.0)
 def test_a_noisy_pair_does_not_make_a_losing_arm_the_favourite():
     """On a machine whose blocks run at their own speeds (a pair's log ratio strays by ~0.3, as
     the Zen 3's did), a cold start where every drafting arm trails plain steps plays near plain's
-    rate: a drafting arm is favoured only when its score clears plain's by its standard error
-    (``Stints._sure``). Taken on the score alone (``sure=0``), a first pair's luck made losing
-    chains the favourites: 0.91x plain over 1,500 rounds, 0.80x in the worst of ten seeds. Where
-    the drafting arms win (greedy) the margin costs little: the best arm still plays most."""
+    rate: a drafting arm is favoured only when its score clears plain's by 1.5 standard errors
+    (``Stints._sure``): 0.945x plain over 1,500 rounds, 0.925x in the worst of ten seeds. Taken
+    on the score alone (``sure=0``), lucky pairs made losing chains the favourites: 0.916x, and
+    0.850x in the worst seed. Where the drafting arms win (greedy, the best at 1.12x) the margin
+    delays the favourite: 1.044x here against 1.068x on the score alone (in the same-hour A/B on
+    the Zen 3, greedy gained instead: README)."""
     sampled = [_noisy_blocks(_SAMPLING_ARMS, _ARM_TOKENS, 1500, seed) for seed in range(10)]
-    assert sum(sampled) / 10 > 0.935 and min(sampled) > 0.88, sampled
+    assert sum(sampled) / 10 > 0.935 and min(sampled) > 0.9, sampled
     greedy = [_noisy_blocks(_GREEDY_ARMS, _ARM_TOKENS, 1500, seed) for seed in range(10)]
     assert sum(greedy) / 10 > 1.04 and min(greedy) > 0.97, greedy
 
