@@ -613,7 +613,8 @@ class Stints:
         pairs = [p if p else max(k, 1) if c else 0 for p, c, k in zip(self.pairs, self.kept_compared, self.kept_pairs)]
         stint = self.stint if self.kept is None else max(self.stint, self.kept_stint)
         return {"arms": self.n_arms, "score": list(self.score), "pairs": pairs,
-                "rounds": list(self.rounds), "favoured": self.favoured, "stint": stint}
+                "rounds": list(self.rounds), "favoured": self.favoured, "stint": stint,
+                "noise": math.sqrt(self.noise_var)}
 
     def restore(self, state: dict) -> None:
         """Start from a ``state()`` (ValueError if it is malformed or for other arms): the kept
@@ -634,6 +635,12 @@ class Stints:
         stint = state.get("stint")
         if isinstance(stint, bool) or not isinstance(stint, int) or not 1 <= stint <= 4 * self.max_stint:
             raise ValueError(f"planner stint must be an integer in [1, {4 * self.max_stint}]")
+        # How far pairs strayed on this machine (a memory kept before it was kept has none: the
+        # prior stands). It is the machine's, not the text's, so it carries over as it was.
+        noise = state.get("noise", math.sqrt(self.noise_var))
+        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 < noise <= 2:
+            raise ValueError(f"planner noise must be a standard deviation in (0, 2], got {noise!r}")
+        self.noise_var = float(noise) ** 2
         # A kept memory is a prior, not a verdict: it was learned in another process, under
         # another load and often on other text (this project's VMs ran one chain at 0.7x plain
         # in one hour and 1.3x in the next). Its scores set the first favourite and the order
@@ -657,9 +664,14 @@ class Stints:
 
     def summary(self, names: list[str] | None = None) -> dict:
         names = names or [str(a) for a in range(self.n_arms)]
+        # sure_vs_plain: the rate the plan favours an arm by (``_sure``), None for an arm with no
+        # evidence yet; pair_noise: how far one pair's log ratio strays here (its estimate).
+        sure = [self._sure(a) for a in range(self.n_arms)]
         return {"favoured": names[self.favoured if self.favoured is not None else self.arm],
                 "stint_blocks": self.stint, "stint_cuts": self.cuts, "restore_deferred": self.deferred,
+                "pair_noise": round(math.sqrt(self.noise_var), 3),
                 "arms": {names[a]: {"rounds": self.rounds[a], "rate_vs_plain": round(math.exp(self.score[a]), 3),
+                                    "sure_vs_plain": round(math.exp(sure[a]), 3) if math.isfinite(sure[a]) else None,
                                     "pairs": self.pairs[a]} for a in range(self.n_arms)}}
 
 

@@ -438,6 +438,11 @@ def test_the_margin_follows_the_noise_the_pairs_show():
     restored = Stints(arms=2)
     restored.restore({"arms": 2, "score": [0.0, 0.2], "pairs": [40, 40], "rounds": [0, 0], "stint": 2})
     assert restored._sure(1) == pytest.approx(0.2 - 1.5 * 0.15 / 2)
+    # What a user reads in res.stats["planner"]: the noise, and each arm's rate less its margin.
+    arms = loud.summary(["plain", "chain"])
+    assert arms["pair_noise"] == round(math.sqrt(loud.noise_var), 3)
+    assert arms["arms"]["chain"]["sure_vs_plain"] == round(math.exp(loud._sure(1)), 3) < 1
+    assert Stints(arms=2).summary()["arms"]["1"]["sure_vs_plain"] is None
 
 
 def test_stints_arms_are_checked():
@@ -579,9 +584,16 @@ def test_stints_state_round_trips_and_a_restored_stints_plays_its_best_arm():
     # The scores carry over and the kept best plays first; the pairs do not (a prior, re-checked).
     assert again.score == st.score and again.rounds == st.rounds and again.arm == 3
     assert again.pairs == [0] * 5 and again.stint == again.first_stint
+    # The pairs' noise is the machine's: it carries over (a memory kept before it was has none).
+    assert again.noise_var == pytest.approx(st.noise_var) and st.noise_var != Stints().noise_var
+    older = Stints()
+    older.restore({k: v for k, v in state.items() if k != "noise"})
+    assert older.noise_var == Stints().noise_var
     for bad in ({**state, "arms": 4}, {**state, "score": [0.1] + state["score"][1:]},
                 {**state, "score": state["score"][:-1]}, {**state, "pairs": [-1] * 5},
-                {**state, "stint": 0}, {**state, "score": [0.0, float("nan"), 0.0, 0.0, 0.0]}, "x"):
+                {**state, "stint": 0}, {**state, "score": [0.0, float("nan"), 0.0, 0.0, 0.0]}, "x",
+                {**state, "noise": 0}, {**state, "noise": float("nan")}, {**state, "noise": "0.2"},
+                {**state, "noise": True}, {**state, "noise": 3.0}):
         with pytest.raises(ValueError):
             Stints().restore(bad)
 
