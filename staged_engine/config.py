@@ -53,6 +53,12 @@ def _check_bool(name: str, value) -> bool:
     return value
 
 
+def _draft_window(options: dict) -> int | None:
+    """The ``draft_window`` option (the default when absent; None: no window), an integer >= 1."""
+    window = options.get("draft_window", DEFAULT_DRAFT_WINDOW)
+    return window if window is None else check_int("draft_window", window)
+
+
 def check_options(strategy: str, options: dict) -> None:
     """ValueError naming any option ``strategy`` does not take, and which strategies do take it."""
     known = OPTIONS[strategy]
@@ -89,9 +95,7 @@ class SpecConfig:
             shape = TreeShape(**{f: options.get(f, getattr(shape, f)) for f in TREE_KNOBS})
         pinned = any(k in options for k in (*TREE_KNOBS, "chain_length"))
         adaptive = _check_bool("adaptive", options.get("adaptive", not pinned))
-        window = options.get("draft_window", DEFAULT_DRAFT_WINDOW)
-        if window is not None:
-            check_int("draft_window", window)
+        window = _draft_window(options)
         if strategy != "staged":
             return cls(shape, adaptive, draft_window=window)
         widths = options.get("ngram_widths", DEFAULT_NGRAM_WIDTHS)
@@ -138,9 +142,7 @@ class BeamConfig:
             return cls(layout)
         pinned = "gamma" in options or seeded or options.get("memory_mode", False) is True
         adaptive = _check_bool("adaptive", options.get("adaptive", not pinned))
-        window = options.get("draft_window", DEFAULT_DRAFT_WINDOW)
-        if window is not None:
-            check_int("draft_window", window)
+        window = _draft_window(options)
         knobs = {k: v for k, v in options.items() if k not in ("layout", "adaptive", "draft_window")}
         opts = {**DSBD_DEFAULTS, **knobs}
         for name in ("gamma", "draft_width", "w_min"):
