@@ -253,7 +253,8 @@ class ModelDrafter:
 
         r is the draft's distribution used for tree scores: softmax(z) at T = 0, else the
         softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses)
-        over the draft's likeliest tokens (``SamplingConfig.draft_params``).
+        over the tokens the request's top-k keeps, all of them without one
+        (``SamplingConfig.draft_params``).
         """
         k = min(self.shape.children, logits.shape[-1])
         sampling = self.sampling

@@ -85,13 +85,14 @@ def test_trees_are_best_first_and_the_cache_follows_acceptance(pair):
     assert torch.allclose(runner.cache.v[:, 0, :, :n], ref.cache.v[:, 0, :, :n], atol=1e-5)
 
 
-def test_draft_children_at_t_above_0_are_the_best_perturbed_scores_among_its_64_likeliest_tokens():
-    """At T > 0 a draft scores only its DRAFT_CANDIDATES likeliest tokens (fewer under top-k, and
-    no top-p cut): its children are the best of log p' + g over them (float64 reference), the
-    native and torch paths agree, and log r is normalised over the same candidates."""
+def test_draft_children_at_t_above_0_are_the_best_perturbed_scores_over_what_the_top_k_keeps():
+    """At T > 0 a draft scores every token the request's top-k keeps (the whole vocabulary
+    without one; no top-p cut, and no cap: a rule of 200 scores 200): its children are the best
+    of log p' + g over them (float64 reference), the native and torch paths agree, and log r is
+    normalised over the same candidates."""
     from types import SimpleNamespace
 
-    from staged_engine.sampling import DRAFT_CANDIDATES, gumbel_noise, vocab_salt
+    from staged_engine.sampling import gumbel_noise, vocab_salt
 
     v = 1000
     logits = torch.randn(3, v, generator=torch.Generator().manual_seed(4)) * 2
@@ -101,7 +102,7 @@ def test_draft_children_at_t_above_0_are_the_best_perturbed_scores_among_its_64_
         cfg = SamplingConfig.make(params, v)
         got = [ModelDrafter(SimpleNamespace(backend=TorchBackend(native=native)), cfg, TreeShape(children=4))
                ._child_scores(logits, positions) for native in (True, False)]
-        keep = min(DRAFT_CANDIDATES, params.top_k or v)
+        keep = params.top_k or v
         for r in range(3):
             cand = sorted(range(v), key=lambda i: (-float(logits[r, i]), i))[:keep]
             z = torch.log_softmax(logits[r, cand].double() / params.temperature, 0)
@@ -121,7 +122,7 @@ def test_a_windowed_draft_sees_the_text_s_tail_at_its_own_positions_and_draws_th
     tail alone (float64 perturbed scores for T > 0), native and torch."""
     from transformers import GPT2LMHeadModel
 
-    from staged_engine.sampling import DRAFT_CANDIDATES, gumbel_noise, vocab_salt
+    from staged_engine.sampling import gumbel_noise, vocab_salt
 
     _, draft_dir = pair
     model = load_model(draft_dir)
@@ -138,7 +139,7 @@ def test_a_windowed_draft_sees_the_text_s_tail_at_its_own_positions_and_draws_th
         if params.temperature == 0:
             cand, scores = list(range(v)), logits
         else:
-            cand = sorted(range(v), key=lambda i: (-float(logits[i]), i))[:min(DRAFT_CANDIDATES, params.top_k or v)]
+            cand = sorted(range(v), key=lambda i: (-float(logits[i]), i))[:params.top_k or v]
             noise = gumbel_noise(params.seed, len(prompt) + len(path), vocab_salt(v)).double()  # the text's position
             scores = torch.log_softmax(logits[cand] / params.temperature, 0) + noise[torch.tensor(cand)]
         order = sorted(range(len(cand)), key=lambda j: (-float(scores[j]), cand[j]))
