@@ -2011,7 +2011,7 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
             int64_t d_pos0, NativeGPT2& oracle, torch::Tensor ok, torch::Tensor ov, int64_t o_start,
             int64_t root_position, int64_t depth, double temperature, int64_t top_k, double top_p, uint64_t seed,
             double d_temperature, int64_t d_top_k, uint64_t d_seed, const std::vector<double>& calibration,
-            const std::vector<double>& go, const std::vector<double>& keep, bool with_logr) {
+            const std::vector<double>& go, const std::vector<double>& keep, bool with_logr, double d_top_p) {
   SE_CHECK(!unseen.empty(), "unseen must hold at least the root");
   SE_CHECK(depth >= 1 && depth <= 63, "depth must be in [1, 63], got ", depth);
   const bool planned = !calibration.empty();
@@ -2035,7 +2035,7 @@ chain_round(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_sta
   std::vector<double> logr, value;
   int64_t written = 0, passes = 0;
   double draft_seconds = 0.0;
-  const DraftChoice choice = draft_choice(d_temperature, d_top_k, d_seed);
+  const DraftChoice choice = draft_choice(d_temperature, d_top_k, d_top_p, d_seed);
   DraftScratch scratch;
   const int64_t vocab = draft.vocab_size();
   // The draft's choice after its pass at draft position ``pos``: whether another pass follows.
@@ -2152,7 +2152,7 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
              NativeGPT2& oracle, torch::Tensor ok, torch::Tensor ov, int64_t o_start, int64_t root_position, int64_t depth,
              int64_t n, int64_t max_rounds, double temperature, int64_t top_k, double top_p, uint64_t seed,
              double d_temperature, int64_t d_top_k, uint64_t d_seed, int64_t stop_token, bool lookup_first,
-             const std::vector<int64_t>& history) {
+             const std::vector<int64_t>& history, double d_top_p) {
   constexpr int kOrder = 3;  // ContextLookup.ORDER: a lookup-first round needs a 3-token match
   SE_CHECK(!unseen.empty(), "unseen must hold at least the root");
   SE_CHECK(depth >= 1 && depth <= 63, "depth must be in [1, 63], got ", depth);
@@ -2191,7 +2191,7 @@ chain_rounds(NativeGPT2& draft, torch::Tensor dk, torch::Tensor dv, int64_t d_st
     } else if (left >= 2) {
       auto [drafted, logr, p, e, dp, ds, os] =
           chain_round(draft, dk, dv, d_at, unseen, d_at, oracle, ok, ov, o_at, root_at, take, temperature, top_k, top_p,
-                      seed, d_temperature, d_top_k, d_seed, {}, {}, {}, /*with_logr=*/false);
+                      seed, d_temperature, d_top_k, d_seed, {}, {}, {}, /*with_logr=*/false, d_top_p);
       path = std::move(p);
       emitted = std::move(e);
       passes = dp;
@@ -2612,7 +2612,8 @@ void register_native_forward(py::module& m) {
         py::arg("depth"), py::arg("n"), py::arg("max_rounds"), py::arg("temperature"), py::arg("top_k"),
         py::arg("top_p"), py::arg("seed"), py::arg("draft_temperature"), py::arg("draft_top_k"),
         py::arg("draft_seed"), py::arg("stop_token"), py::arg("lookup_first") = false,
-        py::arg("history") = std::vector<int64_t>(), py::call_guard<py::gil_scoped_release>());
+        py::arg("history") = std::vector<int64_t>(), py::arg("draft_top_p") = 1.0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("chain_round", &chain_round,
         "one round of a draft chain, fixed or planned: the draft's passes, the oracle's pass and the acceptance walk, "
         "entries left pending; (chain, log r, path, emitted, draft passes, draft seconds, oracle seconds); with "
@@ -2622,6 +2623,6 @@ void register_native_forward(py::module& m) {
         py::arg("root_position"), py::arg("depth"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("seed"), py::arg("draft_temperature"), py::arg("draft_top_k"), py::arg("draft_seed"),
         py::arg("calibration") = std::vector<double>(), py::arg("go") = std::vector<double>(),
-        py::arg("keep") = std::vector<double>(), py::arg("with_logr") = true,
+        py::arg("keep") = std::vector<double>(), py::arg("with_logr") = true, py::arg("draft_top_p") = 1.0,
         py::call_guard<py::gil_scoped_release>());
 }

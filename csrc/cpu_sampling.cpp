@@ -631,6 +631,18 @@ namespace {
 void perturbed_row(const float* row, int64_t V, const Rule& rule, uint32_t key, int64_t kk, int64_t* ip, float* lp,
                    std::vector<float>& z, std::vector<float>& sc, std::vector<std::pair<float, int64_t>>& cand) {
   const bool sparse = rule.top_k > 0 && rule.top_k < V;
+  const bool cut = rule.top_p < 1.0;
+  const auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  // The children: cand[0 .. n) best first, log r = score - norm; the rest -inf.
+  const auto fill = [&](int64_t n, float norm) {
+    for (int64_t c = 0; c < kk; ++c) {
+      const bool have = c < n;
+      ip[c] = have ? cand[c].second : 0;
+      lp[c] = have ? cand[c].first - norm : kNegInf;
+    }
+  };
   cand.clear();
   if (sparse) {
     z.resize(V);
@@ -639,48 +651,108 @@ void perturbed_row(const float* row, int64_t V, const Rule& rule, uint32_t key, 
     double sum = 0.0;
     for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - z[ids[0]]));
     const float lse = z[ids[0]] + static_cast<float>(std::log(sum));
+    int64_t kept = static_cast<int64_t>(ids.size());
+    if (cut) {  // the top-p cut over the top-k, choose_row's: the first ``kept`` ids
+      std::vector<float> logp(ids.size());
+      for (size_t j = 0; j < ids.size(); ++j) logp[j] = z[ids[j]] - lse;
+      kept = top_p_cut(logp, rule.top_p);
+    }
     for (int64_t id : ids) cand.emplace_back(z[id] - lse + gumbel(key, id), id);
-  } else {
-    const float lse = scaled_row(row, V, rule.temperature, z);
-    float sum_norm = 0.f;
-    if (std::isfinite(lse) && children_by_ratio(z, V, lse, key, kk, sc, cand, sum_norm)) {
-      for (int64_t c = 0; c < kk; ++c) {
-        const bool have = c < static_cast<int64_t>(cand.size());
-        ip[c] = have ? cand[c].second : 0;
-        lp[c] = have ? cand[c].first - sum_norm : kNegInf;
-      }
-      return;
-    }
-    cand.clear();
-    perturbed_scores(z, V, lse, key, sc);
-    sc.resize(V);
-    for (int64_t id : top_ids(sc, kk)) cand.emplace_back(sc[id], id);
-    const vec vmx = vset1(cand[0].first);
-    vec acc = vzero();
-    int64_t j = 0;
-    for (; j + kLanes <= V; j += kLanes) acc = vadd(acc, vexp(vsub(vload(sc.data() + j), vmx)));
-    double total = vsum(acc);
-    for (; j < V; ++j) total += std::exp(static_cast<double>(sc[j] - cand[0].first));
-    const float norm = cand[0].first + static_cast<float>(std::log(total));
-    for (int64_t c = 0; c < kk; ++c) {
-      ip[c] = cand[c].second;
-      lp[c] = cand[c].first - norm;
-    }
+    float mx = kNegInf;  // log r's normaliser: every token the top-k keeps
+    for (auto& c : cand) mx = std::max(mx, c.first);
+    double total = 0.0;
+    for (auto& c : cand) total += std::exp(static_cast<double>(c.first - mx));
+    const float norm = mx + static_cast<float>(std::log(total));
+    cand.resize(kept);  // the children: the tokens the cut keeps
+    const int64_t take = std::min<int64_t>(kk, kept);
+    std::partial_sort(cand.begin(), cand.begin() + take, cand.end(), better);
+    fill(take, norm);
     return;
   }
-  float mx = kNegInf;
-  for (auto& c : cand) mx = std::max(mx, c.first);
-  double sum = 0.0;
-  for (auto& c : cand) sum += std::exp(static_cast<double>(c.first - mx));
-  const float lse = mx + static_cast<float>(std::log(sum));
-  const int64_t take = std::min<int64_t>(kk, cand.size());
-  std::partial_sort(cand.begin(), cand.begin() + take, cand.end(), [](const auto& a, const auto& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
-  for (int64_t j = 0; j < kk; ++j) {
-    ip[j] = j < take ? cand[j].second : 0;
-    lp[j] = j < take ? cand[j].first - lse : kNegInf;
+  const float lse = scaled_row(row, V, rule.temperature, z);
+  const int64_t want = cut ? std::min<int64_t>(kk + 6, V) : kk;
+  // Whether token id survives the cut: the mass ranked ahead of it is < top_p (choose_row's test,
+  // so that best_child_token's choice is this row's best child). The likeliest candidates by
+  // perturbed score almost always survive it, so children_by_ratio offers a few more than kk and
+  // the first kk kept are the children.
+  const auto kept_by_cut = [&](int64_t id) { return !cut || mass_before(z, id, lse) < rule.top_p; };
+  // Where they do not (a row so peaked that the cut keeps fewer tokens than that), its
+  // ``want`` likeliest tokens hold the cut: the first ``nucleus`` of them are every token it
+  // keeps, found by bisection (the test is monotone in rank). -1: the cut keeps more.
+  std::vector<int64_t> head;
+  const auto find_nucleus = [&]() -> int64_t {
+    head = top_ids(z, want);  // the padding is -inf: it ranks after every token of the row
+    const int64_t m = static_cast<int64_t>(head.size());
+    if (kept_by_cut(head[m - 1])) return -1;
+    int64_t lo = 1, hi = m - 1;  // head[0] is kept (nothing ranks ahead of it), head[hi] is not
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (kept_by_cut(head[mid])) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  };
+  int64_t nucleus = -1;
+  const auto children_of_nucleus = [&](const auto& score) {
+    cand.clear();
+    for (int64_t j = 0; j < nucleus; ++j) cand.emplace_back(score(head[j]), head[j]);
+    const int64_t take = std::min<int64_t>(kk, nucleus);
+    std::partial_sort(cand.begin(), cand.begin() + take, cand.end(), better);
+    cand.resize(take);
+  };
+  float sum_norm = 0.f;
+  if (std::isfinite(lse) && children_by_ratio(z, V, lse, key, want, sc, cand, sum_norm)) {
+    // One child: test the candidates (the first is kept ~top_p of the time). Several: find the
+    // cut among the head first (a test or, in a peaked row, a few), so that the candidates
+    // inside a head the cut keeps whole need none.
+    bool searched = false;
+    if (cut && kk > 1) {
+      nucleus = find_nucleus();
+      searched = true;
+    }
+    if (nucleus < 0) {
+      const int64_t seen = static_cast<int64_t>(cand.size());
+      const auto in_head = [&](int64_t id) { return std::find(head.begin(), head.end(), id) != head.end(); };
+      int64_t n = 0;
+      for (int64_t c = 0; c < seen && n < kk; ++c)
+        if ((searched && in_head(cand[c].second)) || kept_by_cut(cand[c].second)) cand[n++] = cand[c];
+      if (n == kk || seen == V || !cut) {
+        fill(std::min<int64_t>(n, kk), sum_norm);
+        return;
+      }
+      if (!searched) nucleus = find_nucleus();
+    }
+    if (nucleus >= 0) {
+      children_of_nucleus([&](int64_t id) { return z[id] - lse + gumbel(key, id); });
+      fill(static_cast<int64_t>(cand.size()), sum_norm);
+      return;
+    }
+  } else if (cut && std::isfinite(lse)) {
+    nucleus = find_nucleus();
   }
+  // Every token's perturbed score: a row with a NaN, one so peaked that children_by_ratio cannot
+  // rank it, or a wide cut that left fewer than kk of its candidates.
+  cand.clear();
+  perturbed_scores(z, V, lse, key, sc);
+  sc.resize(V);
+  if (!cut) {
+    for (int64_t id : top_ids(sc, kk)) cand.emplace_back(sc[id], id);
+  } else if (nucleus >= 0) {
+    children_of_nucleus([&](int64_t id) { return sc[id]; });
+  } else {  // best first (ties to the smaller id) while the cut keeps them, up to 64 + kk tried
+    int64_t id = first_equal(sc.data(), V, *std::max_element(sc.begin(), sc.end()));
+    for (int64_t tries = 0; id >= 0 && static_cast<int64_t>(cand.size()) < kk && tries < 64 + kk; ++tries) {
+      if (kept_by_cut(id)) cand.emplace_back(sc[id], id);
+      id = next_ranked(sc, V, id);
+    }
+  }
+  const float top = cand.empty() ? kNegInf : cand[0].first;
+  const vec vmx = vset1(top);
+  vec acc = vzero();
+  int64_t j = 0;
+  for (; j + kLanes <= V; j += kLanes) acc = vadd(acc, vexp(vsub(vload(sc.data() + j), vmx)));
+  double total = vsum(acc);
+  for (; j < V; ++j) total += std::exp(static_cast<double>(sc[j] - top));
+  fill(static_cast<int64_t>(cand.size()), top + static_cast<float>(std::log(total)));
 }
 
 }  // namespace
@@ -690,9 +762,9 @@ void perturbed_row(const float* row, int64_t V, const Rule& rule, uint32_t key, 
 // over the tokens that matter (those within kGumbelMax + 30 of the best; the rest weigh < e^-30).
 std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint64_t seed,
                                               const std::vector<int64_t>& positions, double temperature,
-                                              int64_t top_k, int64_t k) {
+                                              int64_t top_k, int64_t k, double top_p) {
   check_logits(logits, "logits");
-  const Rule rule = make_rule(temperature, top_k, 1.0);
+  const Rule rule = make_rule(temperature, top_k, top_p);
   SE_CHECK(!rule.greedy(), "perturbed_children needs temperature > 0");
   const int64_t N = logits.size(0), V = logits.size(1);
   SE_CHECK(static_cast<int64_t>(positions.size()) == N, "positions must hold one entry per row (", N, "), got ",
@@ -712,10 +784,10 @@ std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint6
   return {idx, logr};
 }
 
-DraftChoice draft_choice(double temperature, int64_t top_k, uint64_t seed) {
-  if (temperature == 0) return DraftChoice{0.f, 0, seed};
-  const Rule rule = make_rule(temperature, top_k, 1.0);
-  return DraftChoice{rule.temperature, rule.top_k, seed};
+DraftChoice draft_choice(double temperature, int64_t top_k, double top_p, uint64_t seed) {
+  if (temperature == 0) return DraftChoice{0.f, 0, 1.0, seed};
+  const Rule rule = make_rule(temperature, top_k, top_p);
+  return DraftChoice{rule.temperature, rule.top_k, rule.top_p, seed};
 }
 
 void best_child(const float* row, int64_t V, int64_t position, const DraftChoice& choice, DraftScratch& s,
@@ -724,7 +796,7 @@ void best_child(const float* row, int64_t V, int64_t position, const DraftChoice
     top_row(row, V, 1, &token, &logr);
     return;
   }
-  perturbed_row(row, V, Rule{choice.temperature, choice.top_k, 1.0}, noise_key(choice.seed, position), 1, &token,
+  perturbed_row(row, V, Rule{choice.temperature, choice.top_k, choice.top_p}, noise_key(choice.seed, position), 1, &token,
                 &logr, s.z, s.sc, s.cand);
 }
 
@@ -734,7 +806,8 @@ void best_child_token(const float* row, int64_t V, int64_t position, const Draft
     top_row(row, V, 1, &token, &logr);
     return;
   }
-  token = choose_row(row, V, noise_key(choice.seed, position), Rule{choice.temperature, choice.top_k, 1.0}, s.z);
+  token = choose_row(row, V, noise_key(choice.seed, position),
+                     Rule{choice.temperature, choice.top_k, choice.top_p}, s.z);
   logr = std::isfinite(s.z[static_cast<size_t>(token)]) ? 0.f : kNegInf;
 }
 
@@ -1099,9 +1172,10 @@ void register_sampling(pybind11::module& m) {
   m.def("verify_tree", &verify_tree, "the acceptance walk over a tree's logits: (path, emitted)",
         py::arg("logits"), py::arg("tokens"), py::arg("parents"), py::arg("seed"), py::arg("positions"),
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
-  m.def("perturbed_children", &perturbed_children, "the draft's k best children by perturbed score, and log r",
+  m.def("perturbed_children", &perturbed_children,
+        "the draft's k best children by perturbed score among the tokens the rule keeps, and log r",
         py::arg("logits"), py::arg("seed"), py::arg("positions"), py::arg("temperature"), py::arg("top_k"),
-        py::arg("k"));
+        py::arg("k"), py::arg("top_p") = 1.0);
   m.def("processed_probs", &processed_probs, "the processed distribution p' of each row of logits, float64",
         py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
   m.def("beam_joint", &beam_joint, "beam sampling's joint over (beam, token): S(b_i) p(v | b_i), normalised, float64",

@@ -244,28 +244,34 @@ class SamplingConfig:
 
     @cached_property
     def draft_params(self) -> SamplingParams:
-        """What a draft scores its children by at T > 0: its processed distribution at the
-        request's own temperature and top-k, over the whole vocabulary the top-k keeps, with no
-        top-p cut (drafts are guesses: only the oracle's choice decides what is emitted).
+        """What a draft scores its children by at T > 0: the request's own rule (its temperature,
+        top-k and top-p) applied to the draft's logits, over every token the rule keeps. The
+        oracle's choice is the best of log p' + g over the tokens its rule keeps; the draft's
+        guess is the same argmax over its own p'. Only the oracle's choice decides what is
+        emitted.
 
-        Drafts used to score only their 64 likeliest tokens, on the premise that the oracle's
-        choice rarely lies outside them. Measured on the demo pair, it often does: over
-        the oracle's plain sampled output on 24 held-out prompts (3,072 positions a rule, the
-        draft teacher-forced), the oracle's token lay outside the draft's 64 likeliest 24% of
-        the time at T 1 / top-p 0.95, and the draft's perturbed argmax was the oracle's token
-        62.3% -> 63.7% of the time (64 candidates -> all) at T 0.8 / top-p 0.95, 53.5% -> 57.3%
-        at T 1 / top-p 0.9, 50.2% -> 62.0% at T 1 (under top-k 50 the rule is the same). Nor
-        did the 64 save much time: choosing them takes a selection over the row, and the native
-        choice over the whole row skips the noise of tokens that cannot win (``pruned_best``).
-        Over 178 rows of the demo draft's logits in one call (AVX2 Zen 3), a fixed chain's choice
-        took 22 us a row with the 64 and 15-16 over the whole row; with its log r (planned chains
-        and trees: ``_cpu.perturbed_children``, whose normaliser needs the whole row's noise) 24
-        against 32. A draft temperature of T times f proposes other tokens under the same noise,
-        and for the demo pair no f is worth a knob: over 12 held-out prompts, the perturbed
-        argmax was the oracle's token 60.6% of the time at f 0.9 against 59.8% at f 1 (T 0.8,
-        top-p 0.95) and 59.2% against 59.0% (T 1, top-k 50), and less often at every other f
-        from 0.5 to 1.5 (measured with the 64 candidates)."""
-        return replace(self.params, top_p=1.0)
+        Drafts used to score only their 64 likeliest tokens, with no top-p cut, on the premise that
+        the oracle's choice rarely lies outside them and that a cut costs a sort of the row.
+        Measured on the demo pair, the oracle's token lay outside the draft's 64 likeliest 24% of
+        the time at T 1 / top-p 0.95; over the oracle's plain sampled output on 24 held-out prompts
+        (3,072 positions a rule, the draft teacher-forced) the draft's perturbed argmax was the
+        oracle's token 62.3% of the time with the 64 and no cut, 63.7% over the whole row and 65.2%
+        with the request's cut too, at T 0.8 / top-p 0.95; 53.5%, 57.3% and 60.6% at T 1 / top-p
+        0.9; 50.2% and 62.0% at T 1 (no cut to make); under top-k 50 the rule was already the
+        request's. Nor did the 64 save much time: choosing them takes a selection over the row, and
+        the native choice over the whole row skips the noise of tokens that cannot win
+        (``pruned_best``). Over 565 rows of the demo draft's logits in one call (AVX2 Zen 3): a
+        fixed chain's choice took 18 us a row with the 64, 11-12 over the whole row, 16 with a top-p
+        0.95 cut at T 0.8; with its log r (planned chains: ``_cpu.perturbed_children``, whose
+        normaliser needs the whole row's noise) 18, 24 and 30, and four children (trees) 18, 25 and
+        44 (a peaked row's cut is found by bisection). The children's log r stays normalised over
+        the tokens the top-k keeps (``draft_children``): the planner calibrates it online. A draft
+        temperature of T times f proposes other tokens under the same noise, and for the demo pair
+        no f is worth a knob: over 12 held-out prompts, the perturbed argmax was the oracle's token
+        60.6% of the time at f 0.9 against 59.8% at f 1 (T 0.8, top-p 0.95) and 59.2% against 59.0%
+        (T 1, top-k 50), and less often at every other f from 0.5 to 1.5 (measured with the 64
+        candidates)."""
+        return self.params
 
     @cached_property
     def draft_rule(self) -> tuple:
@@ -313,16 +319,20 @@ def choose(logits: torch.Tensor, positions: list[int], params: SamplingParams,
     return best
 
 
-def perturbed_logprobs(logits: torch.Tensor, positions: list[int], params: SamplingParams,
-                       noise: NoiseTable | None) -> torch.Tensor:
-    """Drafting scores, (N, V): raw logits at T = 0; at T > 0 log p' + g, except that a top-p
-    cut is not applied (it costs a sort of the vocabulary per row, and a token it would remove
-    rarely wins the perturbed argmax). Drafts are guesses: only the oracle's ``choose`` decides."""
-    if params.greedy:
-        return logits.float()
-    if 0 < params.top_k < logits.shape[-1]:
-        return processed_logprobs(logits, params) + noise.rows(positions)
-    return torch.log_softmax(logits.float() / params.temperature, dim=-1) + noise.rows(positions)
+def draft_children(logits: torch.Tensor, positions: list[int], params: SamplingParams, noise: NoiseTable,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft's k best children of each row at T > 0, the torch path of
+    ``_cpu.perturbed_children``: the best perturbed scores s = log p' + g among the tokens the
+    rule keeps (top-k, then top-p), best first, ties to the smaller id, and log r = s - logsumexp
+    of s over the tokens its top-k keeps (the top-p cut picks the children; it does not
+    renormalise r). A child the cut leaves no room for has log r -inf. ((N, k) ids, (N, k) log r.)"""
+    full = processed_logprobs(logits, replace(params, top_p=1.0)) + noise.rows(positions)
+    norm = torch.logsumexp(full, dim=-1, keepdim=True)
+    scores = full
+    if params.top_p < 1.0:
+        scores = full.masked_fill(processed_logprobs(logits, params) == float("-inf"), float("-inf"))
+    vals, idx = _top(scores, min(k, logits.shape[-1]))
+    return idx, vals - norm
 
 
 def perturbed_top(logits: torch.Tensor, positions: list[int], params: SamplingParams,

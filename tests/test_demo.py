@@ -128,6 +128,33 @@ def test_a_draft_that_scores_its_whole_vocabulary_is_kept_more_often_than_one_he
     monkeypatch.setattr(SamplingConfig, "draft_rule", property(lambda self: _rule(self.draft_params)))
     assert whole > 1.03 * tokens_a_pass()
 
+def test_a_draft_under_top_p_proposes_among_the_tokens_the_cut_keeps(demo, monkeypatch):
+    """At T 1 / top-p 0.9 the demo draft's children are the best perturbed scores among the
+    tokens the request's cut keeps (``SamplingConfig.draft_params`` keeps top-p): a fixed chain of
+    two emits more tokens an oracle pass than the same draft with no cut (1.97 against 1.89 on
+    these prompts; over 24 held-out prompts x 128 tokens, 1.96 against 1.89), and both emit plain
+    sampling's tokens."""
+    from dataclasses import replace
+
+    from staged_engine.sampling import SamplingConfig, _rule
+
+    def tokens_a_pass() -> float:
+        tokens = passes = 0
+        for prompt in DEMO_PROMPTS:
+            for seed in range(3):
+                kw = dict(max_new_tokens=64, temperature=1.0, top_p=0.9, seed=seed, stop_at_eos=False)
+                res = demo.generate(prompt, strategy="chain", chain_length=2, **kw)
+                assert res.token_ids == demo.generate(prompt, strategy="plain", **kw).token_ids
+                tokens += res.stats["new_tokens"]
+                passes += res.stats["oracle_calls"]
+        return tokens / passes
+
+    cut = tokens_a_pass()
+    monkeypatch.setattr(SamplingConfig, "draft_params", property(lambda self: replace(self.params, top_p=1.0)))
+    monkeypatch.setattr(SamplingConfig, "draft_rule", property(lambda self: _rule(self.draft_params)))
+    assert cut > 1.02 * tokens_a_pass()
+
+
 def test_loops_flags_repeats_within_a_line_as_well_as_repeated_lines():
     code = CODE + "        else:\n            out.append(b[j])\n            j += 1\n    return out + a[i:] + b[j:]\n"
     assert not loops(code)

@@ -385,10 +385,10 @@ class TorchBackend(Backend):
         return _cpu.verify_tree(logits.contiguous(), tokens, parents, seed or 0, positions, t, top_k, top_p)
 
     def perturbed_children(self, logits, positions, rule, k):
-        t, top_k, _, seed = rule
+        t, top_k, top_p, seed = rule
         if not self._native_rows(logits) or t == 0 or k > 64:
             return None
-        idx, logr = _cpu.perturbed_children(logits.contiguous(), seed, positions, t, top_k, k)
+        idx, logr = _cpu.perturbed_children(logits.contiguous(), seed, positions, t, top_k, k, top_p)
         return idx, logr
 
     def processed_probs(self, logits, rule):

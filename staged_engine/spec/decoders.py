@@ -309,11 +309,11 @@ class SpeculativeDecoder(Decoder):
         return out, len(lengths)
 
     def _native_rules(self) -> tuple:
-        """(temperature, top_k, top_p, seed) of the oracle's rule and (temperature, top_k, seed) of
-        the draft's, as the native chain rounds take them (greedy: the draft's argmax)."""
+        """(temperature, top_k, top_p, seed) of the oracle's rule and (temperature, top_k, seed,
+        top_p) of the draft's, as the native chain rounds take them (greedy: the draft's argmax)."""
         t, top_k, top_p, seed = self.sampling.rule
-        dt, dk, _, dseed = (0.0, 0, 1.0, 0) if self.sampling.greedy else self.sampling.draft_rule
-        return t, top_k, top_p, seed or 0, dt, dk, dseed or 0
+        dt, dk, dp, dseed = (0.0, 0, 1.0, 0) if self.sampling.greedy else self.sampling.draft_rule
+        return t, top_k, top_p, seed or 0, dt, dk, dseed or 0, dp
 
     def _native_chain(self, remaining: int, depth: int, planner: RoundPlanner | None = None,
                       budget: int | None = None) -> list[int] | None:
@@ -335,14 +335,14 @@ class SpeculativeDecoder(Decoder):
             return None
         draft, unseen = drafter.runner, drafter.unseen
         n_unseen = len(unseen)
-        t, top_k, top_p, seed, dt, dk, dseed = self._native_rules()
+        t, top_k, top_p, seed, dt, dk, dseed, dp = self._native_rules()
         calibration, go, keep = planner.chain_rule(depth) if planner is not None else ((), (), ())
         d_start = draft.reserve(n_unseen + depth - 1)
         o_start = oracle.reserve(depth + 1)
         chain, logr, path, emitted, passes, d_seconds, o_seconds = _cpu.chain_round(
             draft.native, draft.cache.k, draft.cache.v, d_start, unseen, d_start, oracle.native, oracle.cache.k,
             oracle.cache.v, o_start, root_position, depth, t, top_k, top_p, seed, dt, dk, dseed,
-            calibration, go, keep)
+            calibration, go, keep, draft_top_p=dp)
         draft.count(passes, d_seconds, n_unseen + passes - 1)
         if not path:  # the draft had no token worth offering: a plain step
             oracle.discard()
@@ -381,7 +381,7 @@ class SpeculativeDecoder(Decoder):
         if n < 2:
             return None
         draft, unseen = drafter.runner, drafter.unseen
-        t, top_k, top_p, seed, dt, dk, dseed = self._native_rules()
+        t, top_k, top_p, seed, dt, dk, dseed, dp = self._native_rules()
         d_start = draft.reserve(len(unseen) + n - 1)
         o_start = oracle.reserve(n)
         t0 = time.perf_counter()
@@ -390,7 +390,7 @@ class SpeculativeDecoder(Decoder):
                 draft.native, draft.cache.k, draft.cache.v, d_start, unseen, oracle.native, oracle.cache.k,
                 oracle.cache.v, o_start, root_position, depth, n, max(rounds, 1), t, top_k, top_p, seed, dt, dk, dseed,
                 -1 if self.stop_token is None else self.stop_token, lookup_first,
-                drafter.history[:-1] if lookup_first else [])
+                drafter.history[:-1] if lookup_first else [], draft_top_p=dp)
         except BaseException:
             draft.discard()
             oracle.discard()

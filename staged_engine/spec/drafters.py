@@ -19,7 +19,7 @@ import torch
 
 from staged_engine.checks import check_int, is_int
 from staged_engine.model.runner import ModelRunner
-from staged_engine.sampling import SamplingConfig, perturbed_logprobs, perturbed_top
+from staged_engine.sampling import SamplingConfig, draft_children
 from staged_engine.spec.tree import Tree
 
 
@@ -253,8 +253,9 @@ class ModelDrafter:
 
         r is the draft's distribution used for tree scores: softmax(z) at T = 0, else the
         softmax of the Gumbel-perturbed processed draft log-probs (the noise the oracle uses)
-        over the tokens the request's top-k keeps, all of them without one
-        (``SamplingConfig.draft_params``).
+        over the tokens the request's top-k keeps, all of them without one; the children are
+        the best of them that its top-p keeps too (``SamplingConfig.draft_params``,
+        ``sampling.draft_children``).
         """
         k = min(self.shape.children, logits.shape[-1])
         sampling = self.sampling
@@ -262,18 +263,10 @@ class ModelDrafter:
             positions = [p + self.offset for p in positions]
         if not sampling.greedy:
             native = self.runner.backend.perturbed_children(logits, positions, sampling.draft_rule, k)
-            if native is not None:
-                return native[0].tolist(), native[1].tolist()
-            params = sampling.draft_params
-        else:
-            params = sampling.params
-        sparse = perturbed_top(logits, positions, params, sampling.noise)
-        if sparse is not None:  # only the likeliest tokens can be children
-            ids, scores = sparse
-            vals, order = torch.topk(torch.log_softmax(scores, dim=-1), min(k, ids.shape[-1]), dim=-1)
-            return ids.gather(-1, order).tolist(), vals.tolist()
-        scores = perturbed_logprobs(logits, positions, params, sampling.noise)
-        idx, vals = self.runner.backend.top_children(scores, k)
+            if native is None:
+                native = draft_children(logits, positions, sampling.draft_params, sampling.noise, k)
+            return native[0].tolist(), native[1].tolist()
+        idx, vals = self.runner.backend.top_children(logits.float(), k)
         return idx.tolist(), vals.tolist()
 
     # ----------------------------------------------------------------- tree building

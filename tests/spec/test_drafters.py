@@ -85,33 +85,41 @@ def test_trees_are_best_first_and_the_cache_follows_acceptance(pair):
     assert torch.allclose(runner.cache.v[:, 0, :, :n], ref.cache.v[:, 0, :, :n], atol=1e-5)
 
 
-def test_draft_children_at_t_above_0_are_the_best_perturbed_scores_over_what_the_top_k_keeps():
-    """At T > 0 a draft scores every token the request's top-k keeps (the whole vocabulary
-    without one; no top-p cut, and no cap: a rule of 200 scores 200): its children are the best
-    of log p' + g over them (float64 reference), the native and torch paths agree, and log r is
-    normalised over the same candidates."""
+def test_draft_children_at_t_above_0_are_the_best_perturbed_scores_over_what_the_rule_keeps():
+    """At T > 0 a draft scores every token the request's rule keeps: the top-k (no cap: a rule of
+    200 scores 200; the whole vocabulary without one), then the top-p cut over them (the tokens
+    whose mass ranked ahead is below top_p). Its children are the best of log p' + g over those
+    (float64 reference), the native and torch paths agree, log r is normalised over the tokens
+    the top-k keeps (the cut picks children, it does not renormalise), and a child the cut
+    leaves no room for has log r -inf (the peaked row)."""
     from types import SimpleNamespace
 
     from staged_engine.sampling import gumbel_noise, vocab_salt
 
     v = 1000
     logits = torch.randn(3, v, generator=torch.Generator().manual_seed(4)) * 2
+    logits[2, 7] = 30.0  # a peaked row: its nucleus under a cut is one or two tokens
     positions = [10, 11, 12]
     for params in (SamplingParams(0.8, 0, 0.95, 5), SamplingParams(1.0, 0, 1.0, 6), SamplingParams(1.0, 200, 1.0, 7),
-                   SamplingParams(1.0, 20, 1.0, 8)):
+                   SamplingParams(1.0, 20, 1.0, 8), SamplingParams(1.0, 200, 0.9, 9), SamplingParams(1.2, 0, 0.5, 10)):
         cfg = SamplingConfig.make(params, v)
         got = [ModelDrafter(SimpleNamespace(backend=TorchBackend(native=native)), cfg, TreeShape(children=4))
                ._child_scores(logits, positions) for native in (True, False)]
-        keep = params.top_k or v
         for r in range(3):
-            cand = sorted(range(v), key=lambda i: (-float(logits[r, i]), i))[:keep]
+            cand = sorted(range(v), key=lambda i: (-float(logits[r, i]), i))[:params.top_k or v]
             z = torch.log_softmax(logits[r, cand].double() / params.temperature, 0)
+            kept = int(((torch.cumsum(z.exp(), 0) - z.exp()) < params.top_p).sum()) if params.top_p < 1 else len(cand)
             s = z + gumbel_noise(params.seed, positions[r], vocab_salt(v)).double()[torch.tensor(cand)]
-            order = sorted(range(keep), key=lambda j: (-float(s[j]), cand[j]))[:4]
+            order = sorted(range(max(kept, 1)), key=lambda j: (-float(s[j]), cand[j]))[:4]
             want_ids, want_lr = [cand[j] for j in order], (s[order] - torch.logsumexp(s, 0)).tolist()
             for ids, lr in got:
-                assert ids[r] == want_ids
-                assert torch.allclose(torch.tensor(lr[r], dtype=torch.float64), torch.tensor(want_lr, dtype=torch.float64), atol=1e-4)
+                n = len(want_ids)
+                assert ids[r][:n] == want_ids, (params, r)
+                assert torch.allclose(torch.tensor(lr[r][:n], dtype=torch.float64),
+                                      torch.tensor(want_lr, dtype=torch.float64), atol=1e-4)
+                assert all(x == float("-inf") for x in lr[r][n:])  # no room under the cut
+            if r == 2 and params.top_p < 1:
+                assert len(want_ids) < 4  # the peaked row's cut bites
 
 
 def test_a_windowed_draft_sees_the_text_s_tail_at_its_own_positions_and_draws_the_text_s_noise(pair):
