@@ -228,6 +228,10 @@ def render() -> str:
     if r:
         parts += section_generic("The demo pair on the held-out packages (`staged-engine bench pair-quality`)",
                                  r, "pair_quality.json")
+    r = _load("draft_rule.json")
+    if r:
+        parts += section_generic("Sampled drafting: the draft's proposal against the oracle's token, by the draft's "
+                                 "rule (`staged-engine bench draft-rule`)", r, "draft_rule.json")
     r = _load("e2e.json")
     if r:
         parts += section_e2e(r, "End to end on the demo pair (`staged-engine bench e2e --prompt-sets heldout --limit 24 "

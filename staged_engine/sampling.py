@@ -252,25 +252,25 @@ class SamplingConfig:
 
         Drafts used to score only their 64 likeliest tokens, with no top-p cut, on the premise that
         the oracle's choice rarely lies outside them and that a cut costs a sort of the row.
-        Measured on the demo pair, the oracle's token lay outside the draft's 64 likeliest 24% of
-        the time at T 1 / top-p 0.95; over the oracle's plain sampled output on 24 held-out prompts
-        (3,072 positions a rule, the draft teacher-forced) the draft's perturbed argmax was the
-        oracle's token 62.3% of the time with the 64 and no cut, 63.7% over the whole row and 65.2%
-        with the request's cut too, at T 0.8 / top-p 0.95; 53.5%, 57.3% and 60.6% at T 1 / top-p
-        0.9; 50.2% and 62.0% at T 1 (no cut to make); under top-k 50 the rule was already the
-        request's. Nor did the 64 save much time: choosing them takes a selection over the row, and
-        the native choice over the whole row skips the noise of tokens that cannot win
-        (``pruned_best``). Over 565 rows of the demo draft's logits in one call (AVX2 Zen 3): a
-        fixed chain's choice took 18 us a row with the 64, 11-12 over the whole row, 16 with a top-p
-        0.95 cut at T 0.8; with its log r (planned chains: ``_cpu.perturbed_children``, whose
-        normaliser needs the whole row's noise) 18, 24 and 30, and four children (trees) 18, 25 and
-        44 (a peaked row's cut is found by bisection). The children's log r stays normalised over
-        the tokens the top-k keeps (``draft_children``): the planner calibrates it online. A draft
-        temperature of T times f proposes other tokens under the same noise, and for the demo pair
-        no f is worth a knob: over 12 held-out prompts, the perturbed argmax was the oracle's token
-        60.6% of the time at f 0.9 against 59.8% at f 1 (T 0.8, top-p 0.95) and 59.2% against 59.0%
-        (T 1, top-k 50), and less often at every other f from 0.5 to 1.5 (measured with the 64
-        candidates)."""
+        Measured on the demo pair (``staged-engine bench draft-rule``), the oracle's token lay
+        outside the draft's 64 likeliest 25% of the time at T 1 / top-p 0.9 and 31% at T 1; over the
+        oracle's plain sampled output on 24 held-out prompts (3,072 positions a rule, the draft
+        teacher-forced) the draft's perturbed argmax was the oracle's token 62.3% of the time with
+        the 64 and no cut, 63.7% over the whole row and 65.2% with the request's cut too, at T 0.8 /
+        top-p 0.95; 53.5%, 57.3% and 60.6% at T 1 / top-p 0.9; 50.2% and 62.0% at T 1 (no cut to
+        make); under top-k 50 the rule was already the request's. Nor did the 64 save much time:
+        choosing them takes a selection over the row, and the native choice over the whole row skips
+        the noise of tokens that cannot win (``pruned_best``). Over 565 rows of the demo draft's
+        logits in one call (AVX2 Zen 3): a fixed chain's choice took 18 us a row with the 64, 11-12
+        over the whole row, 16 with a top-p 0.95 cut at T 0.8; with its log r (planned chains:
+        ``_cpu.perturbed_children``, whose normaliser needs the whole row's noise) 18, 24 and 30,
+        and four children (trees) 18, 25 and 44 (a peaked row's cut is found by bisection). The
+        children's log r stays normalised over the tokens the top-k keeps (``draft_children``): the
+        planner calibrates it online. A draft temperature of T times f proposes other tokens under
+        the same noise, and for the demo pair no f is worth a knob: over 12 held-out prompts, the
+        perturbed argmax was the oracle's token 60.6% of the time at f 0.9 against 59.8% at f 1 (T
+        0.8, top-p 0.95) and 59.2% against 59.0% (T 1, top-k 50), and less often at every other f
+        from 0.5 to 1.5 (measured with the 64 candidates)."""
         return self.params
 
     @cached_property

@@ -17,6 +17,7 @@ BENCHES = {
     "dsbd": "dsbd.py",  # DSBD against beam sampling
     "serve-load": "serve_load.py",  # concurrent clients against staged-engine serve
     "pair-quality": "pair_quality.py",  # the demo pair's bits per byte and agreement on held-out code
+    "draft-rule": "draft_rule.py",  # how often the draft's sampled proposal is the oracle's token, by rule
     "roofline": "roofline.py",  # decode against bandwidth/compute bounds, HF generate and llama.cpp
     "linear": "linear.py",  # the native linear kernel alone against its bounds, 1-64 rows
     "working-set": "working_set.py",  # a pass against its context and after the other model's
