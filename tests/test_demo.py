@@ -102,6 +102,28 @@ def test_strategies_reproduce_plain_on_the_demo_pair(demo, strategy):
 
 
 
+def _chain_tokens_a_pass(demo, chain_length: int, **rule) -> float:
+    """Tokens a fixed draft chain emits an oracle pass over the demo prompts (3 seeds each, 64
+    tokens), every output checked equal to plain sampling's."""
+    tokens = passes = 0
+    for prompt in DEMO_PROMPTS:
+        for seed in range(3):
+            kw = dict(max_new_tokens=64, seed=seed, stop_at_eos=False, **rule)
+            res = demo.generate(prompt, strategy="chain", chain_length=chain_length, **kw)
+            assert res.token_ids == demo.generate(prompt, strategy="plain", **kw).token_ids
+            tokens += res.stats["new_tokens"]
+            passes += res.stats["oracle_calls"]
+    return tokens / passes
+
+
+def _draft_rule(monkeypatch, params_of) -> None:
+    """Make every SamplingConfig's draft propose under ``params_of(its request's params)``."""
+    from staged_engine.sampling import SamplingConfig, _rule
+
+    monkeypatch.setattr(SamplingConfig, "draft_params", property(lambda self: params_of(self.params)))
+    monkeypatch.setattr(SamplingConfig, "draft_rule", property(lambda self: _rule(self.draft_params)))
+
+
 def test_a_draft_that_scores_its_whole_vocabulary_is_kept_more_often_than_one_held_to_64(demo, monkeypatch):
     """At T 1 (no top-k) the demo draft proposes from every token (``SamplingConfig.draft_params``):
     a fixed chain of one emits more tokens an oracle pass than the same draft held to its 64
@@ -109,24 +131,10 @@ def test_a_draft_that_scores_its_whole_vocabulary_is_kept_more_often_than_one_he
     held-out prompts x 128 tokens, 1.61 against 1.48), and both emit plain sampling's tokens."""
     from dataclasses import replace
 
-    from staged_engine.sampling import SamplingConfig, _rule
+    whole = _chain_tokens_a_pass(demo, 1, temperature=1.0)
+    _draft_rule(monkeypatch, lambda p: replace(p, top_k=min(p.top_k or 64, 64), top_p=1.0))
+    assert whole > 1.03 * _chain_tokens_a_pass(demo, 1, temperature=1.0)
 
-    def tokens_a_pass() -> float:
-        tokens = passes = 0
-        for prompt in DEMO_PROMPTS:
-            for seed in range(3):
-                kw = dict(max_new_tokens=64, temperature=1.0, seed=seed, stop_at_eos=False)
-                res = demo.generate(prompt, strategy="chain", chain_length=1, **kw)
-                assert res.token_ids == demo.generate(prompt, strategy="plain", **kw).token_ids
-                tokens += res.stats["new_tokens"]
-                passes += res.stats["oracle_calls"]
-        return tokens / passes
-
-    whole = tokens_a_pass()
-    held = property(lambda self: replace(self.params, top_k=min(self.params.top_k or 64, 64), top_p=1.0))
-    monkeypatch.setattr(SamplingConfig, "draft_params", held)
-    monkeypatch.setattr(SamplingConfig, "draft_rule", property(lambda self: _rule(self.draft_params)))
-    assert whole > 1.03 * tokens_a_pass()
 
 def test_a_draft_under_top_p_proposes_among_the_tokens_the_cut_keeps(demo, monkeypatch):
     """At T 1 / top-p 0.9 the demo draft's children are the best perturbed scores among the
@@ -136,23 +144,9 @@ def test_a_draft_under_top_p_proposes_among_the_tokens_the_cut_keeps(demo, monke
     sampling's tokens."""
     from dataclasses import replace
 
-    from staged_engine.sampling import SamplingConfig, _rule
-
-    def tokens_a_pass() -> float:
-        tokens = passes = 0
-        for prompt in DEMO_PROMPTS:
-            for seed in range(3):
-                kw = dict(max_new_tokens=64, temperature=1.0, top_p=0.9, seed=seed, stop_at_eos=False)
-                res = demo.generate(prompt, strategy="chain", chain_length=2, **kw)
-                assert res.token_ids == demo.generate(prompt, strategy="plain", **kw).token_ids
-                tokens += res.stats["new_tokens"]
-                passes += res.stats["oracle_calls"]
-        return tokens / passes
-
-    cut = tokens_a_pass()
-    monkeypatch.setattr(SamplingConfig, "draft_params", property(lambda self: replace(self.params, top_p=1.0)))
-    monkeypatch.setattr(SamplingConfig, "draft_rule", property(lambda self: _rule(self.draft_params)))
-    assert cut > 1.02 * tokens_a_pass()
+    cut = _chain_tokens_a_pass(demo, 2, temperature=1.0, top_p=0.9)
+    _draft_rule(monkeypatch, lambda p: replace(p, top_p=1.0))
+    assert cut > 1.02 * _chain_tokens_a_pass(demo, 2, temperature=1.0, top_p=0.9)
 
 
 def test_loops_flags_repeats_within_a_line_as_well_as_repeated_lines():
