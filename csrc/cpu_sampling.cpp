@@ -758,8 +758,10 @@ void perturbed_row(const float* row, int64_t V, const Rule& rule, uint32_t key, 
 }  // namespace
 
 // The draft's children of each row at T > 0: the k best tokens by the perturbed score
-// s = log p' + g (the top-p cut is not applied: drafts are guesses), and log r = s - logsumexp(s)
-// over the tokens that matter (those within kGumbelMax + 30 of the best; the rest weigh < e^-30).
+// s = log p' + g among the tokens the rule keeps (its top-k, then its top-p cut: the oracle's own
+// rule on the draft's logits), and log r = s - logsumexp(s) over the tokens the top-k keeps (the
+// cut picks the children, it does not renormalise r; over a whole row, the tokens that matter:
+// those within kGumbelMax + 30 of the best, the rest weigh < e^-30).
 std::vector<torch::Tensor> perturbed_children(const torch::Tensor& logits, uint64_t seed,
                                               const std::vector<int64_t>& positions, double temperature,
                                               int64_t top_k, int64_t k, double top_p) {
