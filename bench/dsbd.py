@@ -39,6 +39,7 @@ import time
 import torch
 from common import (
     add_model_and_prompt_args,
+    balanced_orders,
     fmt,
     load_prompts,
     machine,
@@ -140,14 +141,15 @@ def run(args) -> dict:
     for s in systems:  # warm-up: one short run of each
         run_system(eng, hf, s, prompts[0]["ids"], 8, args, 0, options)
     runs: dict[str, list[dict]] = {s: [] for s in systems}
+    orders = balanced_orders(systems)
     bar = progress_bar(len(prompts), "[dsbd]", "prompts")
     for i, p in enumerate(prompts):
         spent: dict[str, list[tuple[float, float]]] = {s: [] for s in systems}
         last: dict[str, tuple[list[int], dict]] = {}
         for rep in range(args.repeats):  # systems alternate within each repeat: side by side in time
-            # Every other repeat (and prompt) in reverse order: no system always runs after the
-            # same neighbour.
-            for s in systems if (rep + i) % 2 == 0 else systems[::-1]:
+            # Each repeat the next of the balanced orders: every system follows every other
+            # equally often.
+            for s in orders[(i * args.repeats + rep) % len(orders)]:
                 bar.set_postfix_str(s)  # before the clocks start: the bar is never timed
                 t0, c0 = time.perf_counter(), time.process_time()
                 tokens, stats = run_system(eng, hf, s, p["ids"], args.new_tokens, args, i, options)

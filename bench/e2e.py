@@ -25,6 +25,7 @@ import time
 import torch
 from common import (
     add_model_and_prompt_args,
+    balanced_orders,
     first_divergence,
     fmt,
     load_prompts,
@@ -110,6 +111,8 @@ def run(args) -> dict:
               "skipped_prompts": skipped, "options": options, "modes": {}}
     result["repeats"] = args.repeats
     result["per_prompt_seconds"] = "median of the repeats"
+    orders = balanced_orders(args.systems)
+    result["orders"] = "balanced for carryover (bench/common.py balanced_orders), the next each repeat"
     for mode in args.modes:
         sampled = mode != "greedy"
         per_system: dict[str, list[dict]] = {s: [] for s in args.systems}
@@ -122,9 +125,9 @@ def run(args) -> dict:
             outs, last = {}, {}
             spent: dict[str, list[float]] = {s: [] for s in args.systems}
             for rep in range(args.repeats):  # systems alternate within each repeat: side by side in time
-                # Every other repeat (and prompt) in reverse order: no system always runs after the
-                # same neighbour (HF's thread pool, a cache another system left warm or cold).
-                for s in args.systems if (rep + i) % 2 == 0 else args.systems[::-1]:
+                # Each repeat the next of the balanced orders: every system follows every other
+                # equally often (HF's thread pool, a cache another system left warm or cold).
+                for s in orders[(i * args.repeats + rep) % len(orders)]:
                     bar.set_postfix_str(s)  # before the clock starts: the bar is never timed
                     t0 = time.perf_counter()
                     tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)

@@ -60,8 +60,10 @@ def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engi
            f"Oracle {r['oracle_params'] / 1e6:.1f}M parameters, draft {r['draft_params'] / 1e6:.2f}M; "
            f"{r['n_prompts']} prompts ({' + '.join(r['prompt_sets'])}), {r['new_tokens']} new tokens, fp32; "
            f"{_machine(r['machine'])}. Medians over prompts after a warm-up; "
-           + (f"each prompt ran {r['repeats']} times with the systems alternating (in reverse order every other "
-              f"time), its time the {'median' if 'per_prompt_seconds' in r else 'mean'} of the repeats; "
+           + (f"each prompt ran {r['repeats']} times with the systems alternating ("
+              + ("each time the next of orders balanced for carryover: every system as often right after every "
+                 "other" if "orders" in r else "in reverse order every other time")
+              + f"), its time the {'median' if 'per_prompt_seconds' in r else 'mean'} of the repeats; "
               if r.get("repeats", 1) > 1 else "")
            + "speedups are medians of per-prompt ratios (and all tokens over all seconds) measured in the "
            f"same run. Source: `bench/results/{source}`.\n"]

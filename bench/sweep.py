@@ -4,7 +4,8 @@ For each shape of the grid (chains of 1-10 drafted tokens, trees of 4-16 nodes, 
 and the strategies' planned defaults (``chain``, ``tree``, ``staged`` with no knob: each round
 drafts and verifies what pays, see spec/planner.py): tokens/s over a prompt subset, measured
 side by side with plain decoding: every generation of a shape is paired with a plain generation
-of the same prompt just before it, so the machine's drift cancels in the ratio. Reports the
+of the same prompt right beside it (before it and after it in turns), so the machine's drift
+cancels in the ratio. Reports the
 speedup over plain (all tokens over all seconds, and the median per prompt), tokens per oracle
 call and draft passes per round, and the best fixed shape per strategy. And what a shape's round
 costs, in plain steps (a plain step's seconds in the paired plain runs): its draft passes, its
@@ -23,6 +24,7 @@ import statistics
 import sys
 
 from common import (
+    balanced_orders,
     chain_round_costs,
     load_prompts,
     machine,
@@ -84,12 +86,18 @@ def main(argv=None) -> int:
     calls = {i: [0, 0, 0] for i in range(len(shapes))}  # tokens, oracle calls, draft calls
     # Decode seconds in forward passes: the shape's oracle and draft, and plain's oracle.
     forward = {i: [0.0, 0.0, 0.0] for i in range(len(shapes))}
+    pair_orders = balanced_orders(["plain", "shape"])
     bar = progress_bar(len(prompts) * len(shapes), f"[sweep {mode}]", "runs")
     for j, p in enumerate(prompts):
         for i, (strategy, opts) in enumerate(shapes):
             bar.set_postfix_str(label(strategy, opts))  # speeds come from the engine's own timers
-            ref = eng.generate(p, strategy="plain", seed=j, **kw)
-            res = eng.generate(p, strategy=strategy, seed=j, **kw, **opts)
+            # The pair in turns plain first and the shape first, so that plain does not always run
+            # right after the previous pair's shape (balanced_orders of two: each follows the other).
+            for which in pair_orders[(j * len(shapes) + i) % 2]:
+                if which == "plain":
+                    ref = eng.generate(p, strategy="plain", seed=j, **kw)
+                else:
+                    res = eng.generate(p, strategy=strategy, seed=j, **kw, **opts)
             assert res.token_ids == ref.token_ids, (strategy, opts, j)
             a, b = ref.stats["decode_seconds"], res.stats["decode_seconds"]
             seconds[i][0] += a

@@ -2,7 +2,8 @@
 default (staged), side by side on the demo pair.
 
 At each temperature (top-k and top-p off; 0 is greedy) every prompt runs plain, staged (planned
-each round) and fixed chains of 1-4 drafted tokens, alternating, ``--repeats`` times; tokens/s
+each round) and fixed chains of 1-4 drafted tokens, alternating (in orders balanced for
+carryover: each system runs right after every other equally often), ``--repeats`` times; tokens/s
 is all tokens over all seconds of the whole call, prompt included (as in e2e: a strategy that
 starts its draft lazily pays the draft's prompt inside its rounds, one that prefills it at the
 start pays it before them). The best fixed chain is chosen per temperature after the fact
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import load_prompts, machine, progress_bar, run_main, save
+from common import balanced_orders, load_prompts, machine, progress_bar, run_main, save
 
 CHAINS = (1, 2, 3, 4)
 
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     prompts = [p for p in prompts if len(p) + args.new_tokens <= eng.config.n_positions]
     systems = {"plain": {"strategy": "plain"}, "staged": {"strategy": "staged"},
                **{f"chain {k}": {"strategy": "chain", "chain_length": k} for k in CHAINS}}
+    orders = balanced_orders(list(systems))
     rows = []
     bar = progress_bar(len(args.temperatures) * len(prompts) * args.repeats, "[temperature]", "prompt runs")
     for t in args.temperatures:
@@ -45,10 +47,11 @@ def main(argv=None) -> int:
         tokens = dict.fromkeys(systems, 0)
         for s, kw in systems.items():  # warm-up
             eng.generate(prompts[0], max_new_tokens=8, temperature=t, seed=0, **kw)
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             for j, p in enumerate(prompts):
                 ref = None
-                for s, kw in systems.items():
+                for s in orders[(rep * len(prompts) + j) % len(orders)]:
+                    kw = systems[s]
                     r = eng.generate(p, max_new_tokens=args.new_tokens, temperature=t, seed=j, stop_at_eos=False, **kw)
                     if ref is None:
                         ref = r.token_ids

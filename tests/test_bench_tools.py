@@ -1,6 +1,7 @@
 """The benchmark plumbing: the progress bar's log output, the PNG plots, the benches' tables and arguments (test models at most)."""
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
 import os
@@ -497,6 +498,21 @@ def test_a_result_written_outside_the_checkout_takes_its_plot_beside_it(tmp_path
     assert common.save({"x": 1}, nested) == nested
     with open(nested) as f:
         assert json.load(f) == {"x": 1}
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_interleaved_orders_let_every_system_follow_every_other_equally_often(n):
+    # Counted by brute force over the orders, against the design's two promises: each item in
+    # each place equally often, and each ordered pair of neighbours equally often.
+    items = [f"s{j}" for j in range(n)]
+    orders = _bench_module("common").balanced_orders(items)
+    assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n)
+    assert all(sorted(o) == sorted(items) for o in orders)
+    places = collections.Counter((o[j], j) for o in orders for j in range(n))
+    assert set(places.values()) == {len(orders) // n} and len(places) == n * n
+    pairs = collections.Counter((o[j], o[j + 1]) for o in orders for j in range(n - 1))
+    assert len(pairs) == n * (n - 1)  # every ordered pair of two systems occurs
+    assert len(set(pairs.values())) <= 1  # and each as often as any other
 
 
 def test_first_divergence_names_where_two_outputs_part():
