@@ -195,6 +195,28 @@ def test_perturbed_children_over_whole_vocabularies_and_peaked_rows():
             assert torch.allclose(logr[r].double(), s[want] - torch.logsumexp(s, 0), atol=1e-4), (t, k, r)
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_perturbed_children_under_top_p_keep_a_candidate_to_the_cut_and_not_past_it(k):
+    """The top-p cut keeps a token while the mass ranked ahead of it is < top_p. In a flat row
+    every token ties and ranks by id, so the mass ahead of token i is i / v exactly, and a top_p
+    half a token either side of a candidate's id keeps it or cuts it: the children must be the
+    best perturbed scores among ids 0..c (or 0..c-1), brute force in float64. The candidates lie
+    past the ten likeliest tokens, where the native path tests several at once (masses_before):
+    counting a candidate's own mass as ahead of it, or missing the ties with smaller ids, moves
+    the cut by a token."""
+    v = 1000
+    logits = torch.zeros(1, v)
+    for seed, position in ((3, 40), (11, 7), (29, 123)):
+        g = gumbel_noise(seed, position, vocab_salt(v)).double() - math.log(v)
+        by_noise = sorted(range(v), key=lambda i: (-float(g[i]), i))
+        for c in [i for i in by_noise if i >= 16][:3]:  # candidates outside the head of ten
+            for top_p, last in (((c + 0.5) / v, c), ((c - 0.5) / v, c - 1)):
+                idx, logr = _cpu.perturbed_children(logits, seed, [position], 1.0, 0, k, top_p)
+                want = [i for i in by_noise if i <= last][:k]
+                assert idx[0].tolist() == want, (seed, c, top_p)
+                assert torch.allclose(logr[0].double(), g[want] - torch.logsumexp(g, 0), atol=1e-4)
+
+
 def _reference_probs(row: torch.Tensor, t: float, top_k: int, top_p: float) -> torch.Tensor:
     """p' in float64 by a full stable sort (ALGORITHMS.md sec. 2): softmax(z / T), top-k, then
     every token whose mass ranked ahead is < top_p, renormalised; one-hot at T = 0."""
