@@ -374,6 +374,26 @@ int64_t top_p_cut(const std::vector<float>& logp, double top_p) {
   return std::max<int64_t>(n, 1);
 }
 
+// The tokens a top-k rule keeps, before and after its top-p cut: z = row / T (into z, not
+// padded), the k likeliest ids best first (top_ids), their log p' = z - lse into logp (lse over
+// those k, summed in double) and how many of them the cut keeps (top_p_cut) into ``kept``.
+// Returns lse. A sampled token (choose_row), a draft's children (perturbed_row) and beam
+// sampling's p' (processed_row) take their kept set from here, so the three keep the same tokens.
+float top_k_kept(const float* row, int64_t V, const Rule& rule, std::vector<float>& z, std::vector<int64_t>& ids,
+                 std::vector<float>& logp, int64_t& kept) {
+  z.resize(V);
+  for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
+  ids = top_ids(z, rule.top_k);
+  const float mx = z[ids[0]];
+  double sum = 0.0;
+  for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - mx));
+  const float lse = mx + static_cast<float>(std::log(sum));
+  logp.resize(ids.size());
+  for (size_t j = 0; j < ids.size(); ++j) logp[j] = z[ids[j]] - lse;
+  kept = top_p_cut(logp, rule.top_p);
+  return lse;
+}
+
 // Best of log p'(i) + g(i) over an explicit kept list, ties to the smaller id.
 int64_t argmax_kept(const std::vector<int64_t>& ids, const std::vector<float>& logp, int64_t n, uint32_t key) {
   // ids are best first, so logp falls: stop once even the largest noise cannot catch up.
@@ -495,21 +515,11 @@ int64_t choose_row(const float* row, int64_t V, uint32_t key, const Rule& rule, 
     return best;
   }
   const bool sparse = rule.top_k > 0 && rule.top_k < V;
-  if (sparse) {
-    z.resize(V);
-    for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
-    std::vector<int64_t> ids = top_ids(z, rule.top_k);
-    float mx = z[ids[0]];
-    double sum = 0.0;
-    for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - mx));
-    const float lse = mx + static_cast<float>(std::log(sum));
-    std::vector<float> logp(ids.size());
-    for (size_t j = 0; j < ids.size(); ++j) logp[j] = z[ids[j]] - lse;
-    const int64_t n = top_p_cut(logp, rule.top_p);
-    if (n < static_cast<int64_t>(ids.size())) {  // renormalise the kept tokens (a shift: same argmax)
-      ids.resize(n);
-      logp.resize(n);
-    }
+  if (sparse) {  // the best perturbed score among the kept (renormalising them is a shift: the same argmax)
+    std::vector<int64_t> ids;
+    std::vector<float> logp;
+    int64_t n = 0;
+    top_k_kept(row, V, rule, z, ids, logp, n);
     return argmax_kept(ids, logp, n, key);
   }
   float max_z = kNegInf;
@@ -689,18 +699,10 @@ void perturbed_row(const float* row, int64_t V, const Rule& rule, uint32_t key, 
   };
   cand.clear();
   if (sparse) {
-    z.resize(V);
-    for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
-    const std::vector<int64_t> ids = top_ids(z, rule.top_k);
-    double sum = 0.0;
-    for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - z[ids[0]]));
-    const float lse = z[ids[0]] + static_cast<float>(std::log(sum));
-    int64_t kept = static_cast<int64_t>(ids.size());
-    if (cut) {  // the top-p cut over the top-k, choose_row's: the first ``kept`` ids
-      std::vector<float> logp(ids.size());
-      for (size_t j = 0; j < ids.size(); ++j) logp[j] = z[ids[j]] - lse;
-      kept = top_p_cut(logp, rule.top_p);
-    }
+    std::vector<int64_t> ids;
+    std::vector<float> logp;
+    int64_t kept = 0;  // the top-p cut over the top-k, choose_row's: the first ``kept`` ids
+    const float lse = top_k_kept(row, V, rule, z, ids, logp, kept);
     for (int64_t id : ids) cand.emplace_back(z[id] - lse + gumbel(key, id), id);
     float mx = kNegInf;  // log r's normaliser: every token the top-k keeps
     for (auto& c : cand) mx = std::max(mx, c.first);
@@ -1076,17 +1078,11 @@ void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<fl
   const bool sparse = rule.top_k > 0 && rule.top_k < V;  // top-k ranks its k once, below
   std::vector<int64_t> ids;
   std::vector<float> logp;
-  float lse;
+  int64_t n = 0;
   if (sparse) {
-    z.resize(V);
-    for (int64_t i = 0; i < V; ++i) z[i] = row[i] / rule.temperature;
-    ids = top_ids(z, rule.top_k);
-    const float mx = z[ids[0]];
-    double sum = 0.0;
-    for (int64_t id : ids) sum += std::exp(static_cast<double>(z[id] - mx));
-    lse = mx + static_cast<float>(std::log(sum));
+    top_k_kept(row, V, rule, z, ids, logp, n);
   } else {
-    lse = scaled_row(row, V, rule.temperature, z);
+    const float lse = scaled_row(row, V, rule.temperature, z);
     if (!std::isfinite(lse)) {  // infinite logits: no distribution either
       std::fill(out, out + V, std::numeric_limits<double>::quiet_NaN());
       return;
@@ -1098,8 +1094,8 @@ void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<fl
       alignas(64) float lanes[kLanes];
       for (int64_t i = 0; i < V; i += kLanes) {
         vstore(lanes, vprob(vload(z.data() + i), vl));
-        const int64_t n = std::min<int64_t>(kLanes, V - i);
-        for (int64_t l = 0; l < n; ++l) out[i + l] = lanes[l];
+        const int64_t m = std::min<int64_t>(kLanes, V - i);
+        for (int64_t l = 0; l < m; ++l) out[i + l] = lanes[l];
       }
       z.resize(V);
       return;
@@ -1109,10 +1105,6 @@ void processed_row(const float* row, int64_t V, const Rule& rule, std::vector<fl
     return;
   }
   // Top-k (then top-p over its k, already ranked best first).
-  const int64_t ranked = static_cast<int64_t>(ids.size());
-  logp.resize(ids.size());
-  for (int64_t j = 0; j < ranked; ++j) logp[j] = z[ids[j]] - lse;
-  const int64_t n = top_p_cut(logp, rule.top_p);
   double kept = 0.0;
   for (int64_t j = 0; j < n; ++j) kept += std::exp(static_cast<double>(logp[j]));
   for (int64_t j = 0; j < n; ++j) out[ids[j]] = std::exp(static_cast<double>(logp[j])) / kept;
