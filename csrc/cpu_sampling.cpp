@@ -431,8 +431,8 @@ double mass_before(const std::vector<float>& z, int64_t i, float lse) {
   return before;
 }
 
-// mass_before of several tokens in one pass over the row a batch of kAtOnce (their accumulators
-// and thresholds stay in registers, or close): out[c] the mass ranked ahead of ids[c]. The ties
+// mass_before of several tokens, one pass over the row for each kAtOnce of them (their
+// thresholds and sums stay in registers, or close): out[c] the mass ranked ahead of ids[c]. The ties
 // (equal z, a smaller id) are folded into the vector loop, where mass_before adds them after it
 // in double, so the two can round apart in the last bits. A draft's children under top-p test
 // up to kk + 8 candidates outside the head it found the cut in: one pass each made four children
@@ -726,9 +726,8 @@ void perturbed_row(const float* row, int64_t V, const Rule& rule, uint32_t key, 
   // ``want`` likeliest tokens hold the cut: the first ``nucleus`` of them are every token it
   // keeps. -1: the cut keeps more. The tokens ranked ahead of head[j] are head[0 .. j), so the
   // mass ahead of each is a running sum over the head (top_p_cut's, in double, as choose_row
-  // cuts its sorted tokens), not a pass over the row per test: a bisection of mass_before
-  // passes made four children under top-p cost 44-49 us a demo-draft row against 26 without
-  // the cut (AVX2 Zen 3).
+  // cuts its sorted tokens) instead of a pass over the row per test (a bisection took up to
+  // four; the candidates' tests below were what cost).
   std::vector<int64_t> head;
   const auto find_nucleus = [&]() -> int64_t {
     head = top_ids(z, want);  // the padding is -inf: it ranks after every token of the row

@@ -195,26 +195,30 @@ def test_perturbed_children_over_whole_vocabularies_and_peaked_rows():
             assert torch.allclose(logr[r].double(), s[want] - torch.logsumexp(s, 0), atol=1e-4), (t, k, r)
 
 
+@pytest.mark.parametrize("slope", [0.0, 1e-3])
 @pytest.mark.parametrize("k", [1, 4])
-def test_perturbed_children_under_top_p_keep_a_candidate_to_the_cut_and_not_past_it(k):
-    """The top-p cut keeps a token while the mass ranked ahead of it is < top_p. In a flat row
-    every token ties and ranks by id, so the mass ahead of token i is i / v exactly, and a top_p
-    half a token either side of a candidate's id keeps it or cuts it: the children must be the
-    best perturbed scores among ids 0..c (or 0..c-1), brute force in float64. The candidates lie
-    past the ten likeliest tokens, where the native path tests several at once (masses_before):
-    counting a candidate's own mass as ahead of it, or missing the ties with smaller ids, moves
-    the cut by a token."""
+def test_perturbed_children_under_top_p_keep_a_candidate_to_the_cut_and_not_past_it(k, slope):
+    """The top-p cut keeps a token while the mass ranked ahead of it is < top_p. In a row whose
+    logits fall with the id (or are flat: every token ties and ranks by id) the tokens ahead of
+    token i are those of smaller id, and a top_p half a token either side of a candidate's mass
+    ahead keeps it or cuts it: the children must be the best perturbed scores among ids 0..c (or
+    0..c-1), brute force in float64. The candidates lie past the ten likeliest tokens, where the
+    native path tests several at once (masses_before): counting a candidate's own mass as ahead
+    of it, or missing the ties with smaller ids, moves the cut by a token."""
     v = 1000
-    logits = torch.zeros(1, v)
+    logits = -slope * torch.arange(v, dtype=torch.float32)[None]
+    logp = torch.log_softmax(logits[0].double(), 0)
+    ahead = torch.cumsum(logp.exp(), 0) - logp.exp()  # the mass ranked ahead of each id
     for seed, position in ((3, 40), (11, 7), (29, 123)):
-        g = gumbel_noise(seed, position, vocab_salt(v)).double() - math.log(v)
-        by_noise = sorted(range(v), key=lambda i: (-float(g[i]), i))
-        for c in [i for i in by_noise if i >= 16][:3]:  # candidates outside the head of ten
-            for top_p, last in (((c + 0.5) / v, c), ((c - 0.5) / v, c - 1)):
+        s = logp + gumbel_noise(seed, position, vocab_salt(v)).double()
+        ranked = sorted(range(v), key=lambda i: (-float(s[i]), i))
+        for c in [i for i in ranked if i >= 16][:3]:  # candidates outside the head of ten
+            keep_c, cut_c = float(ahead[c] + logp[c].exp() / 2), float(ahead[c] - logp[c - 1].exp() / 2)
+            for top_p, last in ((keep_c, c), (cut_c, c - 1)):
                 idx, logr = _cpu.perturbed_children(logits, seed, [position], 1.0, 0, k, top_p)
-                want = [i for i in by_noise if i <= last][:k]
+                want = [i for i in ranked if i <= last][:k]
                 assert idx[0].tolist() == want, (seed, c, top_p)
-                assert torch.allclose(logr[0].double(), g[want] - torch.logsumexp(g, 0), atol=1e-4)
+                assert torch.allclose(logr[0].double(), s[want] - torch.logsumexp(s, 0), atol=1e-4)
 
 
 def _reference_probs(row: torch.Tensor, t: float, top_k: int, top_p: float) -> torch.Tensor:
