@@ -52,8 +52,8 @@ def machine() -> dict:
 
 def balanced_orders(items: list) -> list[list]:
     """Orders of ``items`` for interleaved runs, balanced for carryover (a Williams design): each
-    item takes every place once, and runs right after every other item equally often (once over
-    the orders of an even count, twice over the twice as many of an odd one). A run inherits
+    item takes every place, and runs right after every other item, equally often (once over the n
+    orders of an even count n, twice over the 2n of an odd one). A run inherits
     state from the one before it (what the last system left in the caches, its threads' wake-up):
     on the AVX2 Zen 3, plain decoding right after a drafting run took 1.1-1.35% longer than after
     another plain run, so an order where one system never follows a drafting run and another

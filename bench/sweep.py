@@ -1,17 +1,17 @@
 """Sweep fixed speculative shapes on the demo pair, against the planned default and plain decoding.
 
-For each shape of the grid (chains of 1-10 drafted tokens, trees of 4-16 nodes, staged shapes)
-and the strategies' planned defaults (``chain``, ``tree``, ``staged`` with no knob: each round
-drafts and verifies what pays, see spec/planner.py): tokens/s over a prompt subset, measured
-side by side with plain decoding: every generation of a shape is paired with a plain generation
-of the same prompt right beside it (before it and after it in turns), so the machine's drift
-cancels in the ratio. Reports the
-speedup over plain (all tokens over all seconds, and the median per prompt), tokens per oracle
-call and draft passes per round, and the best fixed shape per strategy. And what a shape's round
-costs, in plain steps (a plain step's seconds in the paired plain runs): its draft passes, its
-oracle pass and the rest (sampling, verification, the interpreter), from the engine's forward
-timers; a shape beats plain decoding when its tokens per round exceed its round's cost. Output is checked
-against plain decoding for every generation. Writes bench/results/sweep_<mode>.json.
+For each shape of the grid (chains of 1-10 drafted tokens, trees of 4-16 nodes, staged shapes) and
+the strategies' planned defaults (``chain``, ``tree``, ``staged`` with no knob: each round drafts
+and verifies what pays, see spec/planner.py): tokens/s over a prompt subset, measured side by side
+with plain decoding: every generation of a shape is paired with a plain generation of the same
+prompt right beside it (before it and after it in turns), so the machine's drift cancels in the
+ratio. Reports the speedup over plain (all tokens over all seconds, and the median per prompt),
+tokens per oracle call and draft passes per round, and the best fixed shape per strategy. And what a
+shape's round costs, in plain steps (a plain step's seconds in the paired plain runs): its draft
+passes, its oracle pass and the rest (sampling, verification, the interpreter), from the engine's
+forward timers; a shape beats plain decoding when its tokens per round exceed its round's cost.
+Output is checked against plain decoding for every generation. Writes
+bench/results/sweep_<mode>.json.
 
     python bench/sweep.py [--mode greedy|topp|sampled] [--limit 8] [--new-tokens 128]
 """
