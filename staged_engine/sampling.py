@@ -264,7 +264,8 @@ class SamplingConfig:
         logits in one call (AVX2 Zen 3): a fixed chain's choice took 18 us a row with the 64, 11-12
         over the whole row, 16 with a top-p 0.95 cut at T 0.8; with its log r (planned chains:
         ``_cpu.perturbed_children``, whose normaliser needs the whole row's noise) 18, 24 and 30,
-        and four children (trees) 18, 25 and 44 (a peaked row's cut is found by bisection). The
+        and four children (trees) 18, 25 and 44 (38 since e4ee51f tests the candidates past the
+        likeliest tokens in one pass over the row). The
         children's log r stays normalised over the tokens the top-k keeps (``draft_children``): the
         planner calibrates it online. A draft temperature of T times f proposes other tokens under
         the same noise, and for the demo pair no f is worth a knob: over 12 held-out prompts, the

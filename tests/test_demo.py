@@ -101,7 +101,6 @@ def test_strategies_reproduce_plain_on_the_demo_pair(demo, strategy):
             assert res.token_ids == ref.token_ids
 
 
-
 def _chain_tokens_a_pass(demo, chain_length: int, **rule) -> float:
     """Tokens a fixed draft chain emits an oracle pass over the demo prompts (3 seeds each, 64
     tokens), every output checked equal to plain sampling's."""
