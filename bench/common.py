@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -67,6 +68,46 @@ def balanced_orders(items: list) -> list[list]:
     if n % 2:  # the mirror image: the pairs an odd square repeats come the other way round too
         rows += [row[::-1] for row in rows]
     return [[items[x] for x in row] for row in rows]
+
+
+PLAIN_SYSTEMS = ("plain", "plain_again")  # e2e's systems that run no draft (HF's are apart)
+
+
+def carryover(rows: dict[str, dict], repeats: int) -> dict[str, dict[str, dict]]:
+    """What each system's runs inherited from the run before them, in an e2e mode whose repeats
+    took the orders ``balanced_orders(list(rows))`` gives, the next each repeat (repeat r of prompt
+    i the order ``(i * repeats + r) % len(orders)``; e2e.py since 260198d). Each run's time is read
+    against the median repeat of its prompt and system, as a log ratio, and grouped by the kind of
+    system that ran right before it: ``plain`` (plain decoding or its A/A copy), ``hf`` or
+    ``drafting`` (the rest); the mode's first run follows the warm-up and counts in no group.
+    Returns, per system and group: the runs ``n``, the ``mean`` log ratio and its standard error
+    ``se`` (None below two runs). With balanced orders every system has each predecessor equally
+    often, so this moves no ratio of the e2e's tables: it shows what an unbalanced order would
+    have added to one system and not another."""
+    systems = list(rows)
+    orders = balanced_orders(systems)
+    n_prompts = len(rows[systems[0]]["runs"])
+    times = {s: [r["repeat_seconds"] for r in rows[s]["runs"]] for s in systems}
+    for s in systems:
+        if len(times[s]) != n_prompts or any(len(t) != repeats for t in times[s]):
+            raise ValueError(f"system {s!r} needs {repeats} repeat seconds for each of {n_prompts} prompts")
+    mid = {s: [statistics.median(t) for t in times[s]] for s in systems}
+    groups: dict[str, dict[str, list[float]]] = {s: {} for s in systems}
+    before = None
+    for i in range(n_prompts):
+        for rep in range(repeats):
+            for s in orders[(i * repeats + rep) % len(orders)]:
+                if before is not None:
+                    kind = "plain" if before in PLAIN_SYSTEMS else "hf" if before.startswith("hf") else "drafting"
+                    groups[s].setdefault(kind, []).append(math.log(times[s][i][rep] / mid[s][i]))
+                before = s
+    out: dict[str, dict[str, dict]] = {}
+    for s in systems:
+        out[s] = {}
+        for kind, xs in groups[s].items():
+            se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
+            out[s][kind] = {"n": len(xs), "mean": statistics.fmean(xs), "se": se}
+    return out
 
 
 def median(xs: list[float]) -> float:

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from common import chain_round_costs, run_main
+from common import carryover, chain_round_costs, run_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -68,6 +68,32 @@ def section_e2e(r: dict, title: str = "End to end on the demo pair (`staged-engi
            + "speedups are medians of per-prompt ratios (and all tokens over all seconds) measured in the "
            f"same run. Source: `bench/results/{source}`.\n"]
     out.append(r["markdown"])
+    if "orders" in r and r.get("repeats", 1) > 1:
+        out += carryover_table(r)
+    return out
+
+
+_MODE_NAMES = {"greedy": "greedy", "topp": "T 0.8, top-p 0.95", "sampled": "T 1, top-k 50"}
+_AFTER = {"plain": "after plain", "drafting": "after a drafting run", "hf": "after HF"}
+
+
+def carryover_table(r: dict) -> list[str]:
+    """The e2e's runs by what ran right before them (common.carryover), one column pair a mode."""
+    modes = list(r["modes"])
+    found = {m: carryover(r["modes"][m], r["repeats"]) for m in modes}
+    kinds = [k for k in _AFTER if any(k in g for c in found.values() for g in c.values())]
+    systems = list(r["modes"][modes[0]])
+    pct = lambda x: f"{100 * x['mean']:+.1f}" + (f" ± {100 * x['se']:.1f}" if x["se"] is not None else "")  # noqa: E731
+    out = ["Carryover: each run's time against the median repeat of its prompt and system (mean log ratio "
+           "over the runs, in percent, ± its standard error), by what ran right before it. The orders "
+           "give every system each predecessor equally often, so this moves no figure above: it is what "
+           "an unbalanced order would have added to one system and not another.\n",
+           "| system | " + " | ".join(f"{_MODE_NAMES.get(m, m)}: {_AFTER[k]}" for m in modes for k in kinds) + " |",
+           "|---|" + "---|" * (len(modes) * len(kinds))]
+    for s in systems:
+        cells = [pct(found[m][s][k]) if k in found[m][s] else "" for m in modes for k in kinds]
+        out.append(f"| {s} | " + " | ".join(cells) + " |")
+    out.append("")
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import math
 import os
 import sys
 
@@ -513,6 +514,40 @@ def test_interleaved_orders_let_every_system_follow_every_other_equally_often(n)
     pairs = collections.Counter((o[j], o[j + 1]) for o in orders for j in range(n - 1))
     assert len(pairs) == n * (n - 1)  # every ordered pair of two systems occurs
     assert len(set(pairs.values())) <= 1  # and each as often as any other
+
+
+@pytest.mark.parametrize("repeats", [3, 4])
+def test_carryover_reads_each_run_by_the_system_that_ran_right_before_it(repeats):
+    # A made-up e2e mode whose runs are walked as e2e.py walks them (repeat r of prompt i takes
+    # the order (i * repeats + r) % len(orders)), each taking longer after a drafting system, and
+    # the prompts at different speeds. The groups are counted here by brute force from that walk:
+    # each run's log ratio to its prompt and system's median repeat, by its predecessor's kind.
+    common = _bench_module("common")
+    systems = ["plain", "chain_1", "staged", "plain_again"]
+    orders = common.balanced_orders(systems)
+    n_prompts = 3
+    after = {"chain_1": 1.1, "staged": 1.25}  # a run right after these takes this much longer
+    seconds = {s: [[0.0] * repeats for _ in range(n_prompts)] for s in systems}
+    walk, before = [], None
+    for i in range(n_prompts):
+        for rep in range(repeats):
+            for s in orders[(i * repeats + rep) % len(orders)]:
+                seconds[s][i][rep] = (1.0 + i) * after.get(before, 1.0)
+                if before is not None:
+                    walk.append((s, i, rep, "drafting" if before in after else "plain"))
+                before = s
+    rows = {s: {"runs": [{"repeat_seconds": t} for t in seconds[s]]} for s in systems}
+    found = common.carryover(rows, repeats)
+    for s in systems:
+        for kind in ("plain", "drafting"):
+            xs = [math.log(seconds[s][i][rep] / sorted(seconds[s][i])[(repeats - 1) // 2] if repeats % 2
+                           else seconds[s][i][rep] / (sum(sorted(seconds[s][i])[repeats // 2 - 1:repeats // 2 + 1]) / 2))
+                  for t, i, rep, k in walk if t == s and k == kind]
+            assert found[s][kind]["n"] == len(xs)
+            assert found[s][kind]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-12)
+        assert found[s]["drafting"]["mean"] > found[s]["plain"]["mean"]
+    with pytest.raises(ValueError, match="repeat seconds"):
+        common.carryover(rows, repeats + 1)
 
 
 def test_first_divergence_names_where_two_outputs_part():
