@@ -508,8 +508,9 @@ class Stints:
 
     def _confirm(self, a: int, ratio: float) -> None:
         """The first check after a restore of an arm the kept memory had compared: its pair said
-        log(rate / plain's) = ``ratio``. Within ``agree`` of the kept score, the memory still
-        holds (the same machine in the same state, the same kind of text): the arms kept more
+        log(rate / plain's) = ``ratio``. Within ``agree`` of the kept score (for a memory that
+        favoured plain steps, no more than ``agree`` above it), the memory still holds (the same
+        machine in the same state, the same kind of text): the arms kept more
         than ``defer`` behind the kept best are left to the usual checks, which come seldom for
         them, instead of each costing a block, the draft's catch-up and a cold round now, and the
         favourite resumes the stint the memory had reached (in the demo's sampled half on the
@@ -518,7 +519,14 @@ class Stints:
         is checked again once, as a restore does by default, its stint ramping up from a first
         one."""
         kept, self.kept = self.kept, None
-        if abs(ratio - kept[a]) > self.agree:
+        # A memory that favoured plain steps (no drafting arm kept above them) says that drafting
+        # loses here: an arm found slower than kept says so too, so only one found faster than
+        # kept by more than ``agree`` has every arm checked again (read both ways, one found
+        # slower by as much had them all re-checked, each check a catch-up, a cold round and a
+        # block at a loss, to learn that drafting still loses).
+        plain_kept = max(kept[1:]) <= 0.0
+        off = ratio - kept[a]
+        if off > self.agree or (off < -self.agree and not plain_kept):
             self.kept_pairs = [0] * self.n_arms
             return
         best = max(kept)

@@ -668,6 +668,37 @@ def test_a_restored_memory_checks_its_arms_best_kept_first(first_check):
         assert again.deferred == 0
 
 
+_PLAIN_KEPT_SCORES = [0.0, -0.3, -0.45, -0.6, -0.35]  # every drafting arm behind plain steps: 0.74-0.55x
+
+
+@pytest.mark.parametrize("first_check,confirmed", [(1.0, True), (0.6, True), (0.4, True), (1.3, False)])
+def test_a_memory_that_favoured_plain_steps_is_confirmed_by_a_check_that_finds_drafting_slower(
+        first_check, confirmed):
+    """A kept memory in which plain steps beat every drafting arm says that drafting loses here.
+    The first check after its restore (arm 1, the best kept) finding that arm slower than kept,
+    by however much, says the same: the other arms, kept more than 10% behind, wait for the
+    usual checks (none in 600 rounds). Only a check that finds it faster than kept by more than
+    ``agree`` (0.2 in log rate) has every arm checked again."""
+    import math
+
+    st = Stints(arms=5)
+    st.score, st.pairs, st.rounds = list(_PLAIN_KEPT_SCORES), [8, 2, 2, 2, 2], [96, 32, 32, 32, 32]
+    st.stint, st.favoured = 32, 0
+    again = Stints(arms=5)
+    again.restore(json.loads(json.dumps(st.state())))
+    played = []
+    for _ in range(600):
+        arm = again.arm
+        played.append(arm)
+        rate = math.exp(_PLAIN_KEPT_SCORES[arm]) * (first_check if arm == 1 else 1.0)
+        again.record(1, 1.0 / rate)
+    assert played[0] == 0 and 1 in played
+    if confirmed:
+        assert again.deferred == 3 and not {2, 3, 4} & set(played)
+    else:
+        assert again.deferred == 0 and {2, 3, 4} <= set(played)
+
+
 def test_a_memory_saved_before_its_checks_after_a_restore_is_kept_as_it_was():
     """A short process (the demo's) ends before every arm is checked again after a restore. What
     it saves is what it restored (scores, every arm counted as compared, the stint), so the next
