@@ -83,7 +83,10 @@ def carryover_table(r: dict) -> list[str]:
     found = {m: carryover(r["modes"][m], r["repeats"]) for m in modes}
     kinds = [k for k in _AFTER if any(k in g for c in found.values() for g in c.values())]
     systems = list(r["modes"][modes[0]])
-    pct = lambda x: f"{100 * x['mean']:+.1f}" + (f" ± {100 * x['se']:.1f}" if x["se"] is not None else "")  # noqa: E731
+
+    def pct(x: dict) -> str:
+        return f"{100 * x['mean']:+.1f}" + (f" ± {100 * x['se']:.1f}" if x["se"] is not None else "")
+
     out = ["Carryover: each run's time against the median repeat of its prompt and system (mean log ratio "
            "over the runs, in percent, ± its standard error), by what ran right before it. The orders "
            "give every system each predecessor equally often, so this moves no figure above: it is what "

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import sys
 
 import pytest
@@ -540,8 +541,7 @@ def test_carryover_reads_each_run_by_the_system_that_ran_right_before_it(repeats
     found = common.carryover(rows, repeats)
     for s in systems:
         for kind in ("plain", "drafting"):
-            xs = [math.log(seconds[s][i][rep] / sorted(seconds[s][i])[(repeats - 1) // 2] if repeats % 2
-                           else seconds[s][i][rep] / (sum(sorted(seconds[s][i])[repeats // 2 - 1:repeats // 2 + 1]) / 2))
+            xs = [math.log(seconds[s][i][rep] / statistics.median(seconds[s][i]))
                   for t, i, rep, k in walk if t == s and k == kind]
             assert found[s][kind]["n"] == len(xs)
             assert found[s][kind]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-12)

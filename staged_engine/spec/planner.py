@@ -510,14 +510,13 @@ class Stints:
         """The first check after a restore of an arm the kept memory had compared: its pair said
         log(rate / plain's) = ``ratio``. Within ``agree`` of the kept score (for a memory that
         favoured plain steps, no more than ``agree`` above it), the memory still holds (the same
-        machine in the same state, the same kind of text): the arms kept more
-        than ``defer`` behind the kept best are left to the usual checks, which come seldom for
-        them, instead of each costing a block, the draft's catch-up and a cold round now, and the
-        favourite resumes the stint the memory had reached (in the demo's sampled half on the
-        Zen 1, where every drafting arm trails plain steps, re-checking every arm held the
-        restored runs at 0.94x plain, a mean of 14). Further off, something changed and every arm
-        is checked again once, as a restore does by default, its stint ramping up from a first
-        one."""
+        machine in the same state, the same kind of text): the arms kept more than ``defer`` behind
+        the kept best are left to the usual checks, which come seldom for them, instead of each
+        costing a block, the draft's catch-up and a cold round now, and the favourite resumes the
+        stint the memory had reached (in the demo's sampled half on the Zen 1, where every drafting
+        arm trails plain steps, re-checking every arm held the restored runs at 0.94x plain, a mean
+        of 14). Further off, something changed and every arm is checked again once, as a restore
+        does by default, its stint ramping up from a first one."""
         kept, self.kept = self.kept, None
         # A memory that favoured plain steps (no drafting arm kept above them) says that drafting
         # loses here: an arm found slower than kept says so too, so only one found faster than
