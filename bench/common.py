@@ -70,20 +70,25 @@ def balanced_orders(items: list) -> list[list]:
     return [[items[x] for x in row] for row in rows]
 
 
+def order_of(orders: list[list], prompt: int, rep: int, repeats: int) -> list:
+    """The order repeat ``rep`` of prompt ``prompt`` runs its systems in, in a bench that repeats
+    each prompt ``repeats`` times in turn (e2e, dsbd): the next of ``orders`` each repeat."""
+    return orders[(prompt * repeats + rep) % len(orders)]
+
+
 PLAIN_SYSTEMS = ("plain", "plain_again")  # e2e's systems that run no draft (HF's are apart)
 
 
 def carryover(rows: dict[str, dict], repeats: int) -> dict[str, dict[str, dict]]:
-    """What each system's runs inherited from the run before them, in an e2e mode whose repeats
-    took the orders ``balanced_orders(list(rows))`` gives, the next each repeat (repeat r of prompt
-    i the order ``(i * repeats + r) % len(orders)``; e2e.py since 260198d). Each run's time is read
-    against the median repeat of its prompt and system, as a log ratio, and grouped by the kind of
-    system that ran right before it: ``plain`` (plain decoding or its A/A copy), ``hf`` or
-    ``drafting`` (the rest); the mode's first run follows the warm-up and counts in no group.
-    Returns, per system and group: the runs ``n``, the ``mean`` log ratio and its standard error
-    ``se`` (None below two runs). With balanced orders every system has each predecessor equally
-    often, so this moves no ratio of the e2e's tables: it shows what an unbalanced order would
-    have added to one system and not another."""
+    """What each system's runs inherited from the run before them, in an e2e mode whose repeats took
+    the orders ``balanced_orders(list(rows))`` gives, the next each repeat (``order_of``; e2e.py
+    since 260198d). Each run's time is read against the median repeat of its prompt and system, as a
+    log ratio, and grouped by the kind of system that ran right before it: ``plain`` (plain decoding
+    or its A/A copy), ``hf`` or ``drafting`` (the rest); the mode's first run follows the warm-up
+    and counts in no group. Returns, per system and group: the runs ``n``, the ``mean`` log ratio
+    and its standard error ``se`` (None below two runs). With balanced orders every system has each
+    predecessor equally often, so this moves no ratio of the e2e's tables: it shows what an
+    unbalanced order would have added to one system and not another."""
     systems = list(rows)
     orders = balanced_orders(systems)
     n_prompts = len(rows[systems[0]]["runs"])
@@ -96,7 +101,7 @@ def carryover(rows: dict[str, dict], repeats: int) -> dict[str, dict[str, dict]]
     before = None
     for i in range(n_prompts):
         for rep in range(repeats):
-            for s in orders[(i * repeats + rep) % len(orders)]:
+            for s in order_of(orders, i, rep, repeats):
                 if before is not None:
                     kind = "plain" if before in PLAIN_SYSTEMS else "hf" if before.startswith("hf") else "drafting"
                     groups[s].setdefault(kind, []).append(math.log(times[s][i][rep] / mid[s][i]))

@@ -43,6 +43,7 @@ from common import (
     fmt,
     load_prompts,
     machine,
+    order_of,
     progress,
     progress_bar,
     publish,
@@ -149,7 +150,7 @@ def run(args) -> dict:
         for rep in range(args.repeats):  # systems alternate within each repeat: side by side in time
             # Each repeat the next of the balanced orders: every system follows every other
             # equally often.
-            for s in orders[(i * args.repeats + rep) % len(orders)]:
+            for s in order_of(orders, i, rep, args.repeats):
                 bar.set_postfix_str(s)  # before the clocks start: the bar is never timed
                 t0, c0 = time.perf_counter(), time.process_time()
                 tokens, stats = run_system(eng, hf, s, p["ids"], args.new_tokens, args, i, options)

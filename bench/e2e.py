@@ -30,6 +30,7 @@ from common import (
     fmt,
     load_prompts,
     machine,
+    order_of,
     progress,
     progress_bar,
     publish,
@@ -127,7 +128,7 @@ def run(args) -> dict:
             for rep in range(args.repeats):  # systems alternate within each repeat: side by side in time
                 # Each repeat the next of the balanced orders: every system follows every other
                 # equally often (HF's thread pool, a cache another system left warm or cold).
-                for s in orders[(i * args.repeats + rep) % len(orders)]:
+                for s in order_of(orders, i, rep, args.repeats):
                     bar.set_postfix_str(s)  # before the clock starts: the bar is never timed
                     t0 = time.perf_counter()
                     tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)
