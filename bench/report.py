@@ -313,6 +313,12 @@ def render() -> str:
         if r:
             parts += section_generic(f"The oracle's K/V cache in float16, {when} (`staged-engine bench kv-dtype "
                                      f"--out {name}`)", r, name)
+    r = _load("kv_dtype_avx2.json")
+    if r:
+        parts += section_generic("The oracle's K/V cache in float16 on an AVX2-only machine (`staged-engine bench "
+                                 "kv-dtype --out kv_dtype_avx2.json`)", r, "kv_dtype_avx2.json")
+        parts += _plot("kv_dtype_avx2.png", "AVX2: decode tokens/s against prompt length, float32 and float16 K/V "
+                                            "caches")
     r = _load("roofline_bf16.json")
     if r:
         parts += section_generic("The demo oracle stored in bfloat16 against llama.cpp's bf16 (`staged-engine bench "
