@@ -1,6 +1,8 @@
 """config.py: one table of options, validated into typed configs with errors that name the option."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from staged_engine.config import (
@@ -56,3 +58,13 @@ def test_bad_values_name_the_option(kwargs, needle):
 def test_a_seed_is_drawn_only_when_sampling():
     assert GenerationConfig.make("plain").params.seed is None
     assert GenerationConfig.make("plain", temperature=1.0).params.seed is not None
+
+
+@pytest.mark.parametrize("strategy", ["beam", "dsbd"])
+def test_beams_at_temperature_0_warn_that_every_beam_is_the_greedy_path(strategy):
+    with pytest.warns(UserWarning, match=r"num_beams=3 at temperature 0: .* all 3 beams are plain greedy"):
+        GenerationConfig.make(strategy, num_beams=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # beams that can differ, or a single beam: nothing to say
+        GenerationConfig.make(strategy, num_beams=3, temperature=0.7, seed=1)
+        GenerationConfig.make(strategy, num_beams=1)
