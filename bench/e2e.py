@@ -47,6 +47,7 @@ HF_SYSTEMS = ("hf", "hf_assisted", "hf_lookup")
 # plain decoding run a second time, as a system of its own (an A/A control): its figures "vs our
 # plain" are what the machine's noise alone makes of a system no faster or slower than plain.
 AA = "plain_again"
+CUT = "staged_cut"  # staged_cutN: --draft-head-rows N
 TIE = 1e-4
 # The sampled modes: (engine knobs, HF generate knobs). Greedy needs none.
 SAMPLED_MODES = {"sampled": (dict(temperature=1.0, top_k=50), dict(top_k=50, temperature=1.0)),
@@ -86,11 +87,18 @@ class HFRunner:
 def run(args) -> dict:
     from staged_engine import Engine
 
+    def load(**kw):
+        if args.oracle:
+            return Engine.from_pretrained(args.oracle, draft=args.draft, ngram=args.ngram, **kw)
+        return Engine.demo(**kw)
+
+    eng = load()
+    # staged_cutN: the default staged strategy with the draft's LM head cut to token ids below N
+    # (draft_head_rows), on an engine of its own (its models loaded again, its planner's own memory).
+    cut_engines = {f"{CUT}{n}": load(draft_head_rows=n) for n in args.draft_head_rows}
     if args.oracle:
-        eng = Engine.from_pretrained(args.oracle, draft=args.draft, ngram=args.ngram)
         oracle_dir, draft_dir = args.oracle, args.draft
     else:
-        eng = Engine.demo()
         from staged_engine.demo_pair import DEMO_DIR
 
         oracle_dir, draft_dir = os.path.join(DEMO_DIR, "oracle"), os.path.join(DEMO_DIR, "draft")
@@ -120,7 +128,7 @@ def run(args) -> dict:
         # Warm-up: one short run of every system.
         _, ids0 = encoded[0]
         for s in args.systems:
-            _run_system(eng, hf, s, ids0, 16, mode, 0, options)
+            _run_system(cut_engines.get(s, eng), hf, s, ids0, 16, mode, 0, options)
         bar = progress_bar(len(encoded), f"[{mode}]", "prompts")
         for i, (p, ids) in enumerate(encoded):
             outs, last = {}, {}
@@ -131,7 +139,8 @@ def run(args) -> dict:
                 for s in order_of(orders, i, rep, args.repeats):
                     bar.set_postfix_str(s)  # before the clock starts: the bar is never timed
                     t0 = time.perf_counter()
-                    tokens, stats = _run_system(eng, hf, s, ids, args.new_tokens, mode, i, options)
+                    tokens, stats = _run_system(cut_engines.get(s, eng), hf, s, ids, args.new_tokens, mode, i,
+                                                options)
                     spent[s].append(time.perf_counter() - t0)
                     outs[s], last[s] = tokens, stats
             for s in args.systems:
@@ -168,6 +177,8 @@ def _run_system(eng, hf, system, ids, new_tokens, mode, seed, options):
         return hf.run(system, ids, new_tokens, mode, seed), {}
     if system == AA:
         system = "plain"
+    if system.startswith(CUT):  # staged on the engine whose draft head is cut (run's cut_engines)
+        system = "staged"
     strategy, _, k = system.partition("_")
     kw = dict(max_new_tokens=new_tokens, strategy=strategy, stop_at_eos=False)
     if k:  # chain_K: a fixed chain of K drafted tokens
@@ -300,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run each prompt this many times, systems alternating; a prompt's time is "
                          "the median of its repeats (all are recorded), so a burst of noise in one "
                          "repeat does not set it")
+    ap.add_argument("--draft-head-rows", nargs="*", type=int, default=[],
+                    help=f"also run the default staged strategy with the draft's LM head cut to token ids "
+                         f"below each N ({CUT}N: Engine(draft_head_rows=N), an engine of its own)")
     ap.add_argument("--options", help='JSON per-strategy options, e.g. {"staged": {"budget": 12}}')
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", default="e2e.json", help="file name under bench/results/")
@@ -314,7 +328,9 @@ def main(argv=None) -> int:
         args.systems = ["plain"] + args.systems  # the reference for identity and speedups
     if args.repeats < 1 or any(k < 1 for k in args.chains):
         raise SystemExit("--repeats and --chains need integers >= 1")
-    args.systems += [f"chain_{k}" for k in args.chains]
+    if any(n < 1 for n in args.draft_head_rows):
+        raise SystemExit("--draft-head-rows needs integers >= 1")
+    args.systems += [f"chain_{k}" for k in args.chains] + [f"{CUT}{n}" for n in args.draft_head_rows]
     if not args.no_aa:
         args.systems.append(AA)
     result = run(args)
