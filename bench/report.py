@@ -285,6 +285,12 @@ def render() -> str:
         parts += section_e2e(r, "End to end on an AVX2-only machine, each prompt repeated more (`staged-engine bench e2e "
                                 f"--prompt-sets heldout --limit 24 --repeats {r.get('repeats', 1)} --systems plain staged "
                                 "--chains 1 2 3 --out e2e_repeats15_avx2.json`)", "e2e_repeats15_avx2.json")
+    r = _load("e2e_head_rows_avx2.json")
+    if r:
+        parts += section_e2e(r, "End to end on an AVX2-only machine, the draft's LM head cut (`staged-engine bench e2e "
+                                f"--prompt-sets heldout --limit 24 --repeats {r.get('repeats', 1)} --systems plain staged "
+                                "--chains 1 2 3 --draft-head-rows 2048 4096 --out e2e_head_rows_avx2.json`)",
+                             "e2e_head_rows_avx2.json")
     r = _load("roofline.json")
     if r:
         parts += section_generic("Decode roofline: bandwidth and compute bounds, HF `generate` and llama.cpp "
