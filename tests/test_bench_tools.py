@@ -8,6 +8,7 @@ import math
 import os
 import statistics
 import sys
+import types
 
 import pytest
 import torch
@@ -402,6 +403,31 @@ def test_the_e2e_table_gives_the_speedup_over_prompts_that_do_not_loop():
     text = e2e.markdown({"machine": machine, "n_prompts": 5, "new_tokens": 16, "modes": {"greedy": rows}})
     assert "vs our plain, the 3 prompts that do not loop (median)" in text and "40% of plain continuations loop" in text
     assert "| staged | 130.0 |  |  | 1.30x | 1.76x | 0.90x | 1.10x |" in text
+
+
+def test_e2e_runs_a_cut_draft_head_as_the_staged_strategy(monkeypatch):
+    """--draft-head-rows N adds system staged_cutN, run as the staged strategy (with staged's own
+    options and the mode's sampling knobs) on the engine run() gives it."""
+    e2e = _bench_module("e2e")
+    seen = {}
+    monkeypatch.setattr(e2e, "run", lambda args: seen.setdefault("args", args) and {"modes": {}})
+    monkeypatch.setattr(e2e, "publish", lambda *a, **k: None)
+    monkeypatch.setattr(e2e, "markdown", lambda r: "")
+    assert e2e.main(["--systems", "staged", "--chains", "1", "--draft-head-rows", "2048", "4096", "--no-aa"]) == 0
+    assert seen["args"].systems == ["plain", "staged", "chain_1", "staged_cut2048", "staged_cut4096"]
+    with pytest.raises(SystemExit):
+        e2e.main(["--draft-head-rows", "0"])
+    calls = []
+
+    class Engine:
+        def generate(self, ids, **kw):
+            calls.append(kw)
+            return types.SimpleNamespace(token_ids=[7, 8], stats={"oracle_calls": 2})
+
+    tokens, stats = e2e._run_system(Engine(), None, "staged_cut2048", [5], 4, "topp", 3, {"staged": {"budget": 8}})
+    assert tokens == [7, 8] and stats == {"oracle_calls": 2}
+    assert calls == [dict(max_new_tokens=4, strategy="staged", stop_at_eos=False, seed=3, temperature=0.8,
+                          top_p=0.95, budget=8)]
 
 
 def test_the_round_cost_table_splits_a_chains_round_into_its_parts():
