@@ -483,14 +483,21 @@ std::string set_group_runs(const std::string& mode) {
 // oracle's weights on one thread the forms were 1.44x apart one way when other guests left the
 // L3 alone and 0.83-0.93x the other way when they did not. So a model compares them in pairs of
 // adjacent passes of the same row count, one each way (the first four pairs back to back, then
-// a pair every kPeriod passes), and plays the form whose running log ratio of seconds is lower.
+// a pair kPeriod passes on), and plays the form whose running log ratio of seconds is lower.
 // A pair is two passes a few hundred microseconds to a round apart, so the machine's drift over
 // seconds cancels out; one pass's log ratio is clipped to kClip (a pass that lost its core).
-// Exploring costs two passes in kPeriod + 2 at most the two forms' difference. Thread-safe: two
-// threads may share a packed model; a pair is whichever passes of its row count come next.
+// Each pair that agrees with the form played (the played form's pass the faster) lets the next
+// wait twice as long, up to kMaxPeriod passes; one that disagrees brings the wait back to
+// kPeriod, so a change of the machine is followed within a few pairs. A pair every kPeriod
+// passes, whatever the pairs said, cost the demo oracle's plain decoding on an AVX2 Zen 3 4.1-4.5%
+// of its greedy speed and 0.5-1.5% at T 1 / top-k 50 (form chosen against pinned on, 16 held-out
+// prompts x 4 repeats, two runs each: a one-row pass the other way took ~1.9x as long, 2.9% of
+// passes). Thread-safe: two threads may share a packed model; a pair is whichever passes of its
+// row count come next.
 class FormChooser {
  public:
   static constexpr int64_t kPeriod = 32;
+  static constexpr int64_t kMaxPeriod = 1024;
   static constexpr int64_t kWarm = 4;
   static constexpr double kClip = 0.4;
   static constexpr double kMinWeight = 0.25;
@@ -507,7 +514,7 @@ class FormChooser {
       b.state = kSecondOut;
       return {!b.first_on, kSecond};
     }
-    if (b.state == kIdle && (b.pairs < kWarm || b.since >= kPeriod)) {
+    if (b.state == kIdle && (b.pairs < kWarm || b.since >= b.period)) {
       b.state = kFirstOut;
       return {b.pairs % 2 == 0, kFirst};  // the form that goes first alternates
     }
@@ -526,10 +533,13 @@ class FormChooser {
     } else if (p.role == kSecond) {
       const double on_s = p.on ? seconds : b.first_seconds, off_s = p.on ? b.first_seconds : seconds;
       if (on_s > 0.0 && off_s > 0.0) {
+        const bool played_on = b.pairs == 0 || b.score <= 0.0;  // pick's kExploit form before this pair
         const double r = std::max(-kClip, std::min(kClip, std::log(on_s / off_s)));
         ++b.pairs;
         const double w = std::max(kMinWeight, 1.0 / static_cast<double>(b.pairs));
         b.score += w * (r - b.score);
+        const bool agrees = played_on ? r <= 0.0 : r > 0.0;
+        b.period = agrees && b.pairs > kWarm ? std::min(2 * b.period, kMaxPeriod) : kPeriod;
       }
       b.since = 0;
       b.state = kIdle;
@@ -551,6 +561,7 @@ class FormChooser {
   struct Bucket {
     double score = 0.0, first_seconds = 0.0;
     int64_t pairs = 0, passes = 0, on_passes = 0, since = 0;
+    int64_t period = kPeriod;  // passes played between pairs, once the first kWarm are done
     bool first_on = true;
     State state = kIdle;
   };

@@ -898,8 +898,9 @@ def test_a_model_choosing_its_form_pass_by_pass_gives_the_pinned_forms_bits(head
 
 def test_the_form_chooser_plays_the_faster_form_and_follows_a_change():
     """FormChooser's rule against a scripted clock: pairs of passes, one each way, four back to
-    back and then one every 32 passes; it plays the form whose pairs said faster, follows the
-    machine when the other form becomes the faster, and spends 2 passes in 34 on the comparison."""
+    back, then one 32 passes on, the wait doubling after each pair that agrees with the form
+    played (up to 1024) and back to 32 after one that disagrees; it plays the form whose pairs
+    said faster and follows the machine when the other form becomes the faster."""
     ch = _cpu.FormChooser()
 
     def run(passes, on_seconds, off_seconds):
@@ -910,13 +911,22 @@ def test_the_form_chooser_plays_the_faster_form_and_follows_a_change():
             ch.record(1, on, role, on_seconds if on else off_seconds)
         return played
 
+    def pairs_at(played, form):  # where the form not played shows up: one pass of each pair
+        return [i for i, on in enumerate(played) if on == form]
+
     first = run(8, 1.3, 1.0)
     assert sum(first) == 4  # four pairs, one pass each way
-    later = run(340, 1.3, 1.0)  # off is faster: played but for the comparisons
-    assert sum(later) == 10
-    assert ch.state(1)[0] == pytest.approx(math.log(1.3)) and ch.state(1)[1] == 14
-    flipped = run(1000, 1.0, 1.3)  # now on is faster
-    assert sum(flipped[-500:]) >= 500 - 16
+    later = run(4000, 1.3, 1.0)  # off is faster: on is played only in the pairs
+    at = pairs_at(later, True)
+    gaps = [b - a for a, b in zip(at, at[1:])]
+    # 32, 64, .. 1024 passes played between pairs, plus the pair's two (+-1: the form that goes
+    # first in a pair alternates)
+    assert len(gaps) >= 6 and all(abs(g - e) <= 1 for g, e in zip(gaps, [66, 130, 258, 514, 1026, 1026]))
+    assert ch.state(1)[0] == pytest.approx(math.log(1.3)) and ch.state(1)[1] == 4 + len(at)
+    flipped = run(1500, 1.0, 1.3)  # now on is faster: the first pair disagrees, the next comes 32 on
+    at = pairs_at(flipped, True)
+    assert at[0] <= 1026 and abs(at[1] - at[0] - 34) <= 1
+    assert sum(flipped[at[0] + 200:]) >= len(flipped) - at[0] - 200 - 4  # on is played, but for the pairs
     assert ch.state(2)[2] == 0  # row counts are apart
     for bad in (0, 4):
         with pytest.raises(ValueError, match="rows must be 1-3"):
