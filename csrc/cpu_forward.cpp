@@ -518,7 +518,7 @@ class FormChooser {
       b.state = kFirstOut;
       return {b.pairs % 2 == 0, kFirst};  // the form that goes first alternates
     }
-    return {b.pairs == 0 || b.score <= 0.0, kExploit};  // on unless off has been seen faster
+    return {b.favours_on(), kExploit};
   }
 
   void record(int64_t rows, Pick p, double seconds) {
@@ -533,7 +533,7 @@ class FormChooser {
     } else if (p.role == kSecond) {
       const double on_s = p.on ? seconds : b.first_seconds, off_s = p.on ? b.first_seconds : seconds;
       if (on_s > 0.0 && off_s > 0.0) {
-        const bool played_on = b.pairs == 0 || b.score <= 0.0;  // pick's kExploit form before this pair
+        const bool played_on = b.favours_on();  // the form played before this pair
         const double r = std::max(-kClip, std::min(kClip, std::log(on_s / off_s)));
         ++b.pairs;
         const double w = std::max(kMinWeight, 1.0 / static_cast<double>(b.pairs));
@@ -564,6 +564,8 @@ class FormChooser {
     int64_t period = kPeriod;  // passes played between pairs, once the first kWarm are done
     bool first_on = true;
     State state = kIdle;
+    // The form played outside the pairs: on unless off has been seen faster.
+    bool favours_on() const { return pairs == 0 || score <= 0.0; }
   };
   Bucket& bucket(int64_t rows) {
     SE_CHECK(rows >= 1 && rows <= 3, "rows must be 1-3, got ", rows);
