@@ -410,7 +410,12 @@ def test_e2e_runs_a_cut_draft_head_as_the_staged_strategy(monkeypatch):
     options and the mode's sampling knobs) on the engine run() gives it."""
     e2e = _bench_module("e2e")
     seen = {}
-    monkeypatch.setattr(e2e, "run", lambda args: seen.setdefault("args", args) and {"modes": {}})
+
+    def run(args):  # what main hands on, instead of loading engines and running them
+        seen["args"] = args
+        return {"modes": {}}
+
+    monkeypatch.setattr(e2e, "run", run)
     monkeypatch.setattr(e2e, "publish", lambda *a, **k: None)
     monkeypatch.setattr(e2e, "markdown", lambda r: "")
     assert e2e.main(["--systems", "staged", "--chains", "1", "--draft-head-rows", "2048", "4096", "--no-aa"]) == 0
